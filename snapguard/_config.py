@@ -1,0 +1,142 @@
+"""snapguard's configuration: pinned paths of the binaries it runs as root.
+
+Read from /etc/snapguard/config.toml (or the file named by $SNAPGUARD_CONFIG); single values can be
+overridden by environment variables (containerd passes its environment down to the executor).
+No binary is ever looked up in $PATH: every path is absolute and checked before use.
+
+This module is imported on the executor's pass-through path, so it imports only os and sys at
+module level; the TOML parser is loaded only when a config file exists.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+__all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary"]
+
+DEFAULT_CONFIG_PATH = "/etc/snapguard/config.toml"
+
+DEFAULTS = {
+    "runc": "/usr/sbin/runc",
+    "criu": "/usr/local/sbin/criu",
+    "criu_libdir": "/usr/local/lib/criu",
+    # Where cuda-checkpoint is looked for: NVIDIA's binary first, then snapguard's own.
+    "cuda_checkpoint": "/usr/local/bin/cuda-checkpoint",
+    "state_dir": "/run/snapguard",
+    "criu_timeout_s": 60,
+}
+
+ENV_OVERRIDES = {
+    "runc": "SNAPGUARD_RUNC",
+    "criu": "SNAPGUARD_CRIU",
+    "criu_libdir": "SNAPGUARD_CRIU_LIBDIR",
+    "cuda_checkpoint": "SNAPGUARD_CUDA_CHECKPOINT",
+    "state_dir": "SNAPGUARD_STATE_DIR",
+}
+
+_PATH_KEYS = ("runc", "criu", "criu_libdir", "cuda_checkpoint", "state_dir")
+
+
+class ConfigError(Exception):
+    """The configuration is unreadable or invalid; the message is one line.
+
+    `reason` is the name of a snapguard.reasons.Reason member (kept a string so that the
+    pass-through path need not import the enum).
+    """
+
+    def __init__(self, message: str, reason: str = "CONFIG_INVALID") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Config:
+    """The loaded configuration; attributes are the keys of DEFAULTS."""
+
+    runc: str
+    criu: str
+    criu_libdir: str
+    cuda_checkpoint: str
+    state_dir: str
+    criu_timeout_s: int
+
+    def __init__(self, values: dict[str, object], source: str | None) -> None:
+        self.source = source
+        for key, value in values.items():
+            setattr(self, key, value)
+
+    def as_dict(self) -> dict[str, object]:
+        return {key: getattr(self, key) for key in DEFAULTS} | {"source": self.source}
+
+
+def _read_file(path: str) -> dict[str, object]:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+    return data
+
+
+def load(environ: dict[str, str] | None = None) -> Config:
+    """Defaults, then the config file, then environment overrides; every path must be absolute."""
+    env = os.environ if environ is None else environ
+    path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
+    values: dict[str, object] = dict(DEFAULTS)
+    source = None
+    if os.path.exists(path):
+        values.update(_read_file(path))
+        source = path
+    elif "SNAPGUARD_CONFIG" in env:
+        raise ConfigError(f"SNAPGUARD_CONFIG names {path}, which does not exist")
+    for key, var in ENV_OVERRIDES.items():
+        if env.get(var):
+            values[key] = env[var]
+    for key in _PATH_KEYS:
+        value = values[key]
+        if not isinstance(value, str) or not os.path.isabs(value):
+            raise ConfigError(f"`{key}` must be an absolute path, got {value!r}")
+    timeout = values["criu_timeout_s"]
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or not 1 <= timeout <= 3600:
+        raise ConfigError(f"`criu_timeout_s` must be an integer from 1 to 3600, got {timeout!r}")
+    return Config(values, source)
+
+
+def check_pinned_binary(path: str, what: str) -> str | None:
+    """Why `path` must not be executed as root, or None when it is fine.
+
+    A binary run by a root executor must be a root-owned regular file that nobody else can
+    write; otherwise whoever can write it runs code as root.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{what} {path}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+        return f"{what} {path} is not an executable file"
+    if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
+        return f"{what} {path} must be owned by root and writable by root alone"
+    return None
+
+
+def pinned_runc(environ: dict[str, str] | None = None) -> str:
+    """The real runc's path, for the pass-through path: the cheapest source first."""
+    env = os.environ if environ is None else environ
+    runc = env.get("SNAPGUARD_RUNC")
+    if not runc:
+        runc = load(env).runc
+    elif not os.path.isabs(runc):
+        raise ConfigError(f"SNAPGUARD_RUNC must be an absolute path, got {runc!r}")
+    problem = check_pinned_binary(runc, "runc")
+    if problem:
+        raise ConfigError(problem, "RUNC_UNUSABLE")
+    return runc

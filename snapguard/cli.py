@@ -1,0 +1,105 @@
+"""`snapguard`: the operator's CLI (preflight gates, the reason catalogue, the drill)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import NoReturn
+
+from . import __version__
+from ._config import ConfigError, load
+from .reasons import Reason
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One typed line instead of argparse's usage dump: CI logs and scripts read the first line.
+        print(f"snapguard USAGE_ERROR: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="snapguard", description=(
+        "Operator CLI of snapguard, the guarded runc executor. containerd runs `snapguard-runc` in "
+        "place of runc; this command checks nodes, workloads and images ahead of time and runs drills."))
+    p.add_argument("--version", action="version", version=f"snapguard {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    pre = sub.add_parser("preflight", help="can this node, process, container or image be snapshotted/restored",
+                         description=(
+                             "Run the checks the executor runs before a checkpoint or restore. Exit 0: ready; "
+                             "1: blocked (the reasons say why); 2: could not check. Warnings never block."))
+    what = pre.add_mutually_exclusive_group(required=True)
+    what.add_argument("--node", action="store_true", help="this host: CRIU, plugin, privileges, network lock")
+    what.add_argument("--pid", type=int, metavar="PID", help="a process tree rooted at PID")
+    what.add_argument("--container", metavar="ID", help="a runc container (its init's process tree)")
+    what.add_argument("--manifest", metavar="PATH", help="an image directory or its manifest: can it restore here")
+    pre.add_argument("--root", metavar="DIR", help="runc --root for --container (containerd: /run/containerd/runc/NS)")
+    pre.add_argument("--tcp-established", action="store_true",
+                     help="the snapshot will carry established TCP connections (a warning, not a blocker)")
+    pre.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    rs = sub.add_parser("reasons", help="list the typed failure reasons",
+                        description="The stable failure reason names with meaning, phase and remedy.")
+    rs.add_argument("--json", action="store_true", help="print as JSON")
+
+    dr = sub.add_parser("drill", help="a real snapshot drill through containerd, runc and CRIU",
+                        description=(
+                            "Start containerd (own root, BinaryName snapguard-runc) if needed, run a counter "
+                            "container built from examples/ locally, checkpoint it through ctr (leave-running "
+                            "and exit variants), restore it, and show that it continued where it stopped."))
+    dr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    dr.add_argument("--workdir", metavar="DIR", help="keep containerd's root and the images here")
+    return p
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    config = load()
+    if args.node:
+        report = preflight.node_report(config)
+    elif args.pid is not None:
+        report = preflight.pid_report(args.pid, config, args.tcp_established)
+    elif args.container:
+        report = preflight.container_report(args.container, args.root, config)
+    else:
+        report = preflight.manifest_report(args.manifest, config)
+    print(report.to_json() if args.json else report.to_text())
+    return report.exit_code
+
+
+def _cmd_reasons(args: argparse.Namespace) -> int:
+    rows = [{"reason": r.name, "phase": r.phase.value, "workload_intact": r.workload_intact,
+             "meaning": r.meaning, "remedy": r.remedy} for r in Reason]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        width = max(len(r["reason"]) for r in rows)
+        for r in rows:
+            print(f"{r['reason']:<{width}}  {r['phase']:<10}  {r['meaning']}")
+    return 0
+
+
+def _cmd_drill(args: argparse.Namespace) -> int:
+    from .drill import run_drill
+
+    return run_drill(json_path=args.json, workdir=args.workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"preflight": _cmd_preflight, "reasons": _cmd_reasons, "drill": _cmd_drill}[args.command](args)
+    except ConfigError as e:
+        print(f"snapguard {e.reason}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Driving CRIU: its version, `criu check`, the environment runc runs it in, and its log.
+
+runc starts CRIU itself (`criu swrk`) and CRIU inherits runc's environment; so snapguard configures
+CRIU through that environment: a controlled PATH in which `criu` and `cuda-checkpoint` resolve to
+pinned root-owned binaries, CRIU_LIBS_DIR for the plugin directory, and CRIU_CONFIG_FILE for a
+generated config (timeouts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from .._config import Config
+from .._files import ensure_private_dir, write_private_bytes, write_private_json
+
+__all__ = [
+    "CriuLogError",
+    "MIN_VERSION",
+    "check",
+    "extract_errors",
+    "prepare_environment",
+    "version",
+]
+
+MIN_VERSION = (4, 0, 0)
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Lines CRIU logs at error level on healthy runs (seen on the lent VMs): not failures by themselves.
+BENIGN_ERRORS = (
+    re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self"),
+)
+_ERROR_LINE = re.compile(r"\bError \((?P<where>[^)]+:\d+)\): (?P<msg>.*)")
+_VERSION = re.compile(r"^Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", re.M)
+
+
+@dataclass
+class CriuLogError:
+    where: str
+    message: str
+    context: list[str]
+
+    def __str__(self) -> str:
+        return f"Error ({self.where}): {self.message}"
+
+
+def version(criu: str) -> tuple[int, int, int]:
+    """CRIU's version as a tuple; raises OSError or ValueError when it cannot be read."""
+    out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    m = _VERSION.search(out.stdout)
+    if out.returncode != 0 or not m:
+        raise ValueError(f"`{criu} --version` printed no version (exit {out.returncode})")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _check_cache_key(criu: str) -> str:
+    st = os.stat(criu)
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    raw = f"{os.path.realpath(criu)}:{st.st_size}:{st.st_mtime_ns}:{os.uname().release}:{boot_id}"
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def check(criu: str, state_dir: str | None = None) -> tuple[bool, str]:
+    """Run `criu check`; (passed, its output). A pass is cached in state_dir until reboot.
+
+    `criu check` takes a large share of a small container's checkpoint time and its answer only
+    changes with the kernel or the binary, so a pass is remembered under the boot id.
+    """
+    cache = os.path.join(state_dir, "criu-check.json") if state_dir else None
+    key = _check_cache_key(criu)
+    if cache:
+        try:
+            with open(cache) as f:
+                if json.load(f).get("key") == key:
+                    return True, "criu check passed (cached for this boot)"
+        except (OSError, ValueError, AttributeError):
+            pass
+    out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60, check=False)
+    text = (out.stdout + out.stderr).strip()
+    passed = out.returncode == 0
+    if passed and cache:
+        try:
+            ensure_private_dir(os.path.dirname(cache))
+            write_private_json(cache, {"key": key})
+        except OSError:
+            pass  # a cache we cannot write only costs time
+    return passed, text
+
+
+def extract_errors(log_text: str, context: int = 2) -> list[CriuLogError]:
+    """The `Error (file:line)` lines of a CRIU log, each with the lines before it.
+
+    Benign errors are left out: CRIU's exit status says whether it failed, these say why.
+    """
+    lines = log_text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = _ERROR_LINE.search(line)
+        if not m or any(p.search(line) for p in BENIGN_ERRORS):
+            continue
+        found.append(CriuLogError(m.group("where"), m.group("msg").strip(), lines[max(0, i - context):i]))
+    return found
+
+
+def read_log_errors(path: str, limit: int = 3) -> list[CriuLogError]:
+    try:
+        with open(path, errors="replace") as f:
+            return extract_errors(f.read())[:limit]
+    except OSError:
+        return []
+
+
+def prepare_environment(config: Config, criu: str, cuda_checkpoint: str | None) -> dict[str, str]:
+    """The environment runc (and through it CRIU and its CUDA plugin) runs in.
+
+    Builds `<state_dir>/bin`, root-only, holding links to the pinned criu and cuda-checkpoint,
+    and a CRIU config with snapguard's timeout.
+    """
+    bin_dir = os.path.join(config.state_dir, "bin")
+    ensure_private_dir(config.state_dir)
+    ensure_private_dir(bin_dir)
+    for name, target in (("criu", criu), ("cuda-checkpoint", cuda_checkpoint)):
+        link = os.path.join(bin_dir, name)
+        if os.path.lexists(link):
+            os.unlink(link)
+        if target:
+            os.symlink(target, link)
+    criu_conf = os.path.join(config.state_dir, "criu.conf")
+    write_private_bytes(criu_conf, f"timeout {config.criu_timeout_s}\n".encode())
+    # The caller's environment (containerd's) otherwise stays: LD_LIBRARY_PATH is how a CRIU
+    # carried with its own libraries runs. A preload would run inside every dumped process's CRIU.
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_AUDIT")}
+    env.update({
+        "PATH": f"{bin_dir}:{SYSTEM_PATH}",
+        "CRIU_LIBS_DIR": config.criu_libdir,
+        "CRIU_CONFIG_FILE": criu_conf,
+    })
+    return env

@@ -1,0 +1,77 @@
+"""Host checks: can this machine run CRIU snapshots at all."""
+
+from __future__ import annotations
+
+import os
+
+from .. import criu
+from .._config import Config, check_pinned_binary
+from ..reasons import Finding, Reason, Severity
+
+__all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "IPTABLES_RESTORE"]
+
+CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+IPTABLES_RESTORE = ("/usr/sbin/iptables-restore", "/sbin/iptables-restore")
+
+
+def check_privileges(proc: str = "/proc") -> list[Finding]:
+    if os.geteuid() != 0:
+        return [Finding(Reason.INSUFFICIENT_PRIVILEGE, f"running as uid {os.geteuid()}, CRIU needs root",
+                        evidence={"euid": os.geteuid()})]
+    with open(os.path.join(proc, "self", "status")) as f:
+        cap_eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    missing = [name for bit, name in ((CAP_SYS_ADMIN, "CAP_SYS_ADMIN"), (CAP_SYS_PTRACE, "CAP_SYS_PTRACE"))
+               if not cap_eff >> bit & 1]
+    if missing:
+        return [Finding(Reason.INSUFFICIENT_PRIVILEGE, f"root without {', '.join(missing)}",
+                        evidence={"missing_capabilities": missing})]
+    return []
+
+
+def check_criu(path: str, state_dir: str | None, facts: dict[str, object]) -> list[Finding]:
+    """CRIU at the pinned path, version 4.0 or newer, and `criu check` passing on this kernel."""
+    problem = check_pinned_binary(path, "criu")
+    if problem:
+        return [Finding(Reason.CRIU_MISSING, problem, evidence={"path": path})]
+    ver = criu.version(path)
+    facts["criu_version"] = ".".join(map(str, ver))
+    if ver < criu.MIN_VERSION:
+        return [Finding(Reason.CRIU_TOO_OLD,
+                        f"CRIU {facts['criu_version']} at {path}, snapguard needs "
+                        f"{'.'.join(map(str, criu.MIN_VERSION))} or newer",
+                        evidence={"path": path, "version": facts["criu_version"]})]
+    passed, output = criu.check(path, state_dir)
+    if not passed:
+        errors = [str(e) for e in criu.extract_errors(output)] or output.splitlines()[-3:]
+        return [Finding(Reason.CRIU_CHECK_FAILED, f"`criu check` failed: {'; '.join(errors)}",
+                        evidence={"path": path, "output": output[-4000:]})]
+    return []
+
+
+def check_network_lock() -> list[Finding]:
+    """CRIU locks the network namespace with iptables-restore; without it every dump fails."""
+    if any(os.access(p, os.X_OK) for p in IPTABLES_RESTORE):
+        return []
+    return [Finding(Reason.NETWORK_LOCK_UNAVAILABLE, f"none of {', '.join(IPTABLES_RESTORE)} exists",
+                    evidence={"paths": list(IPTABLES_RESTORE)})]
+
+
+def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
+    """CRIU's CUDA plugin in its libdir and a cuda-checkpoint at the pinned path.
+
+    Without them CRIU silently skips GPU state: a blocker for GPU workloads, a warning otherwise.
+    """
+    if not required and not os.path.exists(NVIDIA_DRIVER):
+        return []  # a CPU workload on a node without a GPU needs neither
+    severity = Severity.BLOCKER if required else Severity.WARNING
+    findings = []
+    plugin = os.path.join(config.criu_libdir, "cuda_plugin.so")
+    if not os.path.isfile(plugin):
+        findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, f"no CUDA plugin at {plugin}", severity,
+                                {"path": plugin}))
+    problem = check_pinned_binary(config.cuda_checkpoint, "cuda-checkpoint")
+    if problem:
+        findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, problem, severity,
+                                {"path": config.cuda_checkpoint}))
+    return findings

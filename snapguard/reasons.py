@@ -1,0 +1,231 @@
+"""The typed failure reasons and the failure record.
+
+Every way a guarded checkpoint or restore can be refused or can fail has one stable name here.
+Callers (containerd's log, a scheduler reading ``snapguard-result.json``, a CI gate) key on the
+name; the evidence says which pid, path, mapping or versions were involved.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Failure",
+    "Finding",
+    "Phase",
+    "Reason",
+    "SnapguardError",
+    "Severity",
+]
+
+
+class Phase(str, enum.Enum):
+    PREFLIGHT = "preflight"
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+    USAGE = "usage"
+
+
+class Severity(str, enum.Enum):
+    BLOCKER = "blocker"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class _Meta:
+    meaning: str
+    phase: Phase
+    workload_intact: bool
+    remedy: str
+
+
+P, C, R, U = Phase.PREFLIGHT, Phase.CHECKPOINT, Phase.RESTORE, Phase.USAGE
+
+
+class Reason(enum.Enum):
+    """One member per failure mode; the value carries its meaning, phase and remedy."""
+
+    # argv, config and the executor's own environment
+    USAGE_ERROR = _Meta("the command line is not one snapguard accepts", U, True,
+                        "fix the arguments; see --help")
+    CONFIG_INVALID = _Meta("snapguard's configuration is missing, unreadable or invalid", U, True,
+                           "fix /etc/snapguard/config.toml (or $SNAPGUARD_CONFIG)")
+    RUNC_UNUSABLE = _Meta("the pinned real runc is missing, not executable or not root-owned", U, True,
+                          "install runc and point `runc` in the config at it")
+    INSUFFICIENT_PRIVILEGE = _Meta("not running with the privileges CRIU needs", P, True,
+                                   "run as root with CAP_SYS_ADMIN and CAP_SYS_PTRACE")
+    CONTAINER_NOT_FOUND = _Meta("runc does not know the container or it is not running", P, True,
+                                "check the container id and --root")
+    PREFLIGHT_FAILED = _Meta("a preflight check could not run, so safety is unknown", P, True,
+                             "read the check's error; fix what it could not read")
+    PROCESS_NOT_FOUND = _Meta("the process to check or snapshot does not exist", P, True,
+                              "check the pid")
+
+    # host tooling
+    CRIU_MISSING = _Meta("CRIU is not installed at the pinned path", P, True,
+                         "install CRIU 4.x (packaging/install-deps.sh) or fix `criu` in the config")
+    CRIU_TOO_OLD = _Meta("CRIU is older than the oldest version snapguard supports", P, True,
+                         "install CRIU 4.0 or newer")
+    CRIU_CHECK_FAILED = _Meta("`criu check` fails on this kernel", P, True,
+                              "read the quoted `criu check` output; a kernel or CRIU upgrade is needed")
+    CUDA_PLUGIN_UNAVAILABLE = _Meta("CRIU's CUDA plugin or a working cuda-checkpoint is missing", P, True,
+                                    "install cuda_plugin.so into CRIU's libdir and cuda-checkpoint on the pinned path")
+    NETWORK_LOCK_UNAVAILABLE = _Meta("iptables-restore, which CRIU's network lock runs, is missing", P, True,
+                                     "install iptables")
+
+    # workload checks
+    STRAY_GPU_DEVICE_HANDLE = _Meta("a process holds /dev/nvidia* but has no CUDA context", P, True,
+                                    "stop NVML users, forked workers or monitors in the tree before the snapshot")
+    NCCL_UNSUPPORTED = _Meta("the job uses NCCL or several CUDA processes that cannot be coordinated", P, True,
+                             "use a coordinated multi-rank snapshot or fall back to a file checkpoint")
+    CUDA_IPC_UNSUPPORTED = _Meta("several CUDA processes share one GPU", P, True, "snapshot one CUDA process per GPU")
+    MPS_UNSUPPORTED = _Meta("the workload uses CUDA MPS", P, True, "run without MPS")
+    MIG_UNSUPPORTED = _Meta("a GPU is in MIG mode", P, True, "disable MIG on the node")
+    IO_URING_PRESENT = _Meta("a process has an io_uring instance, which CRIU cannot dump", P, True,
+                             "disable io_uring in the workload (e.g. liburing users)")
+    RDMA_DEVICE_PRESENT = _Meta("a process holds an RDMA or GPUDirect device", P, True,
+                                "close /dev/infiniband/* and /dev/gdrdrv handles first")
+    TCP_ESTABLISHED = _Meta("a process has established TCP connections", P, True,
+                            "pass --tcp-established (peers must tolerate it) or close the connections")
+    SHM_DELETED_FILE = _Meta("a process maps a deleted /dev/shm file", P, True, "keep shared-memory files linked")
+    FILE_CHANGED = _Meta("a file the image depends on changed size since the dump", R, True,
+                         "restore the file as it was or open it O_APPEND")
+    FILE_MISSING = _Meta("a file the image depends on is missing on this host", R, True,
+                         "provide the file at the same path")
+    SECCOMP_BLOCKED = _Meta("a seccomp filter would block CRIU", P, True, "run the workload without seccomp")
+    INTERPOSER_PRESENT = _Meta("a library interposer is preloaded (LD_PRELOAD or /etc/ld.so.preload)", P, True,
+                               "remove the preload for snapshot-able workloads")
+    HOST_MEMORY_INSUFFICIENT = _Meta("not enough host memory for the snapshot or restore", P, True,
+                                     "free host memory or raise the cgroup limit")
+
+    # GPU identity and capacity
+    DRIVER_TOO_OLD = _Meta("the NVIDIA driver has no cuCheckpointProcess* API", P, True, "install driver 555 or newer")
+    DRIVER_VERSION_MISMATCH = _Meta("the image was taken under another NVIDIA driver", R, True,
+                                    "restore on a host with the same driver")
+    GPU_MODEL_MISMATCH = _Meta("the image was taken on another GPU model", R, True,
+                               "restore on a host with the same GPU model")
+    GPU_COUNT_MISMATCH = _Meta("this host has fewer GPUs than the image used", R, True,
+                               "restore on a host with as many GPUs")
+    GPU_MEMORY_INSUFFICIENT = _Meta("not enough free GPU memory to restore", R, True, "free GPU memory")
+    PERSISTENCE_MODE_OFF = _Meta("NVIDIA persistence mode is off", P, True, "enable persistence mode")
+    KERNEL_CHANGED = _Meta("the image was taken under another kernel release", R, True,
+                           "usually harmless; if the restore fails, restore on the source kernel")
+    CRIU_VERSION_CHANGED = _Meta("the image was written by another CRIU version", R, True,
+                                 "usually harmless within CRIU 4.x; if the restore fails, use the source's CRIU")
+    CPU_FEATURE_MISMATCH = _Meta("this host lacks CPU features the image's processes may use", R, True,
+                                 "restore on a host with the same or a newer CPU")
+
+    # images
+    IMAGE_INCOMPLETE = _Meta("the image has no completion marker (half written or half copied)", R, True,
+                             "copy the whole image again, or take a new one")
+    IMAGE_CORRUPT = _Meta("a file in the image does not match its recorded checksum or size", R, True,
+                          "copy the image again from its source")
+    MANIFEST_INVALID = _Meta("the image's compatibility manifest is missing or malformed", R, True,
+                             "take a new image with snapguard")
+
+    # the snapshot itself
+    CRIU_DUMP_FAILED = _Meta("CRIU failed to dump the workload", C, True,
+                             "read the quoted CRIU errors; fall back to a file checkpoint")
+    CRIU_RESTORE_FAILED = _Meta("CRIU failed to restore the workload", R, True,
+                                "read the quoted CRIU errors; fall back to a file checkpoint")
+    IMAGE_WRITE_FAILED = _Meta("the manifest or checksums could not be written into the image", C, True,
+                               "check space and permissions of the image path")
+
+    @property
+    def meaning(self) -> str:
+        return self.value.meaning
+
+    @property
+    def phase(self) -> Phase:
+        return self.value.phase
+
+    @property
+    def workload_intact(self) -> bool:
+        return self.value.workload_intact
+
+    @property
+    def remedy(self) -> str:
+        return self.value.remedy
+
+
+@dataclass
+class Finding:
+    """One thing a check saw: a blocker refuses the operation, a warning is reported only."""
+
+    reason: Reason
+    detail: str
+    severity: Severity = Severity.BLOCKER
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason.name,
+            "severity": self.severity.value,
+            "detail": self.detail,
+            "evidence": self.evidence,
+            "remedy": self.reason.remedy,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.reason.name}: {self.detail}"
+
+
+@dataclass
+class Failure:
+    """The record of a refused or failed operation, as written to snapguard-result.json."""
+
+    reason: Reason
+    detail: str
+    phase: Phase | None = None
+    workload_intact: bool | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    warnings: list[Finding] = field(default_factory=list)
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.phase is None:
+            self.phase = self.reason.phase
+        if self.workload_intact is None:
+            self.workload_intact = self.reason.workload_intact
+
+    @property
+    def message(self) -> str:
+        """One self-contained line: containerd shows only the first line of the last error."""
+        return f"snapguard {self.reason.name}: {self.detail}".replace("\n", " ")
+
+    def to_dict(self) -> dict[str, Any]:
+        assert self.phase is not None
+        return {
+            "ok": False,
+            "reason": self.reason.name,
+            "meaning": self.reason.meaning,
+            "phase": self.phase.value,
+            "workload_intact": self.workload_intact,
+            "detail": self.detail,
+            "evidence": self.evidence,
+            "remedy": self.reason.remedy,
+            "warnings": [w.to_dict() for w in self.warnings],
+            "time": self.time,
+        }
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SnapguardError(Exception):
+    """The one exception type user-facing code catches; it carries a Failure."""
+
+    def __init__(self, reason: Reason, detail: str, **kw: Any) -> None:
+        self.failure = Failure(reason, detail, **kw)
+        super().__init__(self.failure.message)
+
+    @property
+    def reason(self) -> Reason:
+        return self.failure.reason
+
+    @classmethod
+    def from_finding(cls, finding: Finding, warnings: list[Finding] | None = None) -> SnapguardError:
+        return cls(finding.reason, finding.detail, evidence=finding.evidence, warnings=warnings or [])

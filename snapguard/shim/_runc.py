@@ -1,0 +1,72 @@
+"""Running the real runc for the guarded verbs, and what both verbs check first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+from .. import criu
+from .._config import Config
+from ..preflight._report import Report
+from ..reasons import Reason, SnapguardError
+from ._argv import GlobalOptions
+
+__all__ = ["criu_path", "prepared_env", "raise_blockers", "run_real", "runc_command", "runc_state"]
+
+
+def criu_path(opts: GlobalOptions, config: Config) -> str:
+    """The CRIU runc will run: containerd's CriuPath option if set, else snapguard's pinned one."""
+    return opts.criu or config.criu
+
+
+def runc_command(runc: str, args: list[str], opts: GlobalOptions, config: Config) -> list[str]:
+    """argv for the real runc: unchanged, but for the pinned CRIU when the caller named none."""
+    if opts.criu:
+        return [runc, *args]
+    return [runc, "--criu", config.criu, *args]
+
+
+def runc_state(runc: str, opts: GlobalOptions, container_id: str) -> dict[str, Any]:
+    argv = [runc]
+    if opts.root:
+        argv += ["--root", opts.root]
+    argv += ["state", container_id]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        raise SnapguardError(Reason.CONTAINER_NOT_FOUND,
+                             f"runc state {container_id}: {out.stderr.strip().splitlines()[-1:] or 'failed'}",
+                             evidence={"container": container_id, "root": opts.root})
+    try:
+        state = json.loads(out.stdout)
+        int(state["pid"])
+    except (ValueError, KeyError, TypeError):
+        raise SnapguardError(Reason.CONTAINER_NOT_FOUND, f"runc state {container_id} printed no pid",
+                             evidence={"container": container_id}) from None
+    return state
+
+
+def raise_blockers(report: Report) -> None:
+    """Refuse with the first blocker; the others travel as evidence, warnings as warnings."""
+    blockers = report.blockers
+    if blockers:
+        first = blockers[0]
+        evidence = dict(first.evidence)
+        if len(blockers) > 1:
+            evidence["other_blockers"] = [b.to_dict() for b in blockers[1:]]
+        raise SnapguardError(first.reason, first.detail, evidence=evidence, warnings=report.warnings)
+    for check in report.checks:
+        if check.error:
+            raise SnapguardError(Reason.PREFLIGHT_FAILED, f"check {check.name} could not run: {check.error}",
+                                 evidence={"check": check.name})
+
+
+def run_real(argv: list[str], env: dict[str, str]) -> int:
+    # close_fds=False: containerd hands runc the container's stdio and sockets by fd inheritance.
+    return subprocess.run(argv, env=env, close_fds=False, check=False).returncode
+
+
+def prepared_env(config: Config, criu_bin: str) -> dict[str, str]:
+    cuda_checkpoint = config.cuda_checkpoint if os.path.exists(config.cuda_checkpoint) else None
+    return criu.prepare_environment(config, criu_bin, cuda_checkpoint)

@@ -1,0 +1,70 @@
+"""`snapguard-runc checkpoint`: check first, then the real runc checkpoint, then seal the image."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+
+from .. import criu, image
+from .._config import Config
+from .._files import ensure_private_dir
+from ..preflight import workload
+from ..preflight._report import Report
+from ..reasons import Reason, SnapguardError
+from ._argv import GlobalOptions, SubcommandArgs
+from ..preflight import host_checks
+from ._runc import criu_path, prepared_env, raise_blockers, run_real, runc_command, runc_state
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs, config: Config) -> dict[str, Any]:
+    state = runc_state(runc, opts, sub.container_id)
+    if state.get("status") not in ("running", "paused"):
+        raise SnapguardError(Reason.CONTAINER_NOT_FOUND,
+                             f"container {sub.container_id} is {state.get('status')}, not running",
+                             evidence={"container": sub.container_id, "status": state.get("status")})
+    tree = workload.process_tree(int(state["pid"]))
+    criu_bin = criu_path(opts, config)
+    report = Report(f"container {sub.container_id}")
+    inventory = workload.inventory(tree)
+    host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin)
+    workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"))
+    raise_blockers(report)
+
+    ensure_private_dir(sub.image_path)
+    os.makedirs(sub.work_path, mode=0o700, exist_ok=True)
+    rc = run_real(runc_command(runc, args, opts, config), prepared_env(config, criu_bin))
+    if rc != 0:
+        log = os.path.join(sub.work_path, "dump.log")
+        errors = criu.read_log_errors(log)
+        alive = psutil.pid_exists(int(state["pid"]))
+        quoted = "; ".join(str(e) for e in errors) or f"runc exited {rc}, no CRIU error in {log}"
+        raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted, workload_intact=alive,
+                             evidence={"container": sub.container_id, "runc_exit": rc, "log": log,
+                                       "errors": [{"where": e.where, "message": e.message, "context": e.context}
+                                                  for e in errors]},
+                             warnings=report.warnings)
+    try:
+        manifest = image.seal(sub.image_path, {
+            "container_id": sub.container_id,
+            "leave_running": sub.flag("leave-running"),
+            "criu_version": report.facts["criu_version"],
+            "host": report.facts["host"],
+            "processes": inventory.summary(),
+        })
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_WRITE_FAILED, f"sealing {sub.image_path}: {e}",
+                             workload_intact=sub.flag("leave-running"),
+                             evidence={"image": sub.image_path}) from None
+    return {
+        "ok": True,
+        "operation": "checkpoint",
+        "container": sub.container_id,
+        "image": sub.image_path,
+        "image_bytes": manifest["image_bytes"],
+        "files": len(manifest["files"]),
+        "warnings": [w.to_dict() for w in report.warnings],
+    }

@@ -1,0 +1,65 @@
+"""`snapguard-runc restore`: refuse a bad image first, then the real runc restore, then confirm."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+
+from .. import criu
+from .._config import Config
+from ..reasons import Reason, SnapguardError
+from ._argv import GlobalOptions, SubcommandArgs
+from ..preflight import manifest_report
+from ._runc import criu_path, prepared_env, raise_blockers, run_real, runc_command, runc_state
+
+__all__ = ["restore"]
+
+
+def _restored_pid(runc: str, opts: GlobalOptions, sub: SubcommandArgs) -> int:
+    pid_file = sub.value("pid-file")
+    if pid_file:
+        try:
+            with open(pid_file) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+    return int(runc_state(runc, opts, sub.container_id)["pid"])
+
+
+def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs, config: Config) -> dict[str, Any]:
+    criu_bin = criu_path(opts, config)
+    report = manifest_report(sub.image_path, config, criu=criu_bin)
+    raise_blockers(report)
+    manifest = report.facts["manifest"]
+
+    os.makedirs(sub.work_path, mode=0o700, exist_ok=True)
+    rc = run_real(runc_command(runc, args, opts, config), prepared_env(config, criu_bin))
+    if rc != 0:
+        log = os.path.join(sub.work_path, "restore.log")
+        errors = criu.read_log_errors(log)
+        quoted = "; ".join(str(e) for e in errors) or f"runc exited {rc}, no CRIU error in {log}"
+        raise SnapguardError(Reason.CRIU_RESTORE_FAILED, quoted,
+                             evidence={"container": sub.container_id, "runc_exit": rc, "log": log,
+                                       "errors": [{"where": e.where, "message": e.message, "context": e.context}
+                                                  for e in errors]},
+                             warnings=report.warnings)
+    pid = _restored_pid(runc, opts, sub)
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        status = "gone"
+    if status in ("gone", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        raise SnapguardError(Reason.CRIU_RESTORE_FAILED,
+                             f"runc restore succeeded but restored pid {pid} is {status}",
+                             evidence={"container": sub.container_id, "pid": pid})
+    return {
+        "ok": True,
+        "operation": "restore",
+        "container": sub.container_id,
+        "image": sub.image_path,
+        "pid": pid,
+        "image_epoch": manifest["epoch"],
+        "warnings": [w.to_dict() for w in report.warnings],
+    }

@@ -1,0 +1,244 @@
+"""A private containerd whose runc is snapguard-runc, and the counter workload image.
+
+Used by `snapguard drill`, the tests and the benchmarks: containerd runs in its own root with its
+own socket, so nothing of a node's real containerd is touched. The image is built locally from
+examples/counter and the host's static busybox; nothing is pulled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "build_counter_image", "expected_hash"]
+
+COUNTER_IMAGE = "snapguard.local/counter:1"
+BUSYBOX = "/bin/busybox"
+CTR = "/usr/bin/ctr"
+CONTAINERD = "/usr/bin/containerd"
+COUNTER_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "counter" / "counter.sh"
+MODULUS = 1_000_000_007
+
+
+def expected_hash(i: int) -> int:
+    h = 0
+    for k in range(1, i + 1):
+        h = (h * 31 + k) % MODULUS
+    return h
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), mode
+    tf.addfile(info, io.BytesIO(data))
+
+
+def _add_dir(tf: tarfile.TarFile, name: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    tf.addfile(info)
+
+
+def build_counter_image(out: str, script: Path = COUNTER_SCRIPT) -> str:
+    """Write an OCI image layout tarball of the counter workload to `out`; return its name."""
+    layer_buf = io.BytesIO()
+    with tarfile.open(fileobj=layer_buf, mode="w") as tf:
+        for d in ("bin", "dev", "proc", "sys", "tmp", "out", "etc"):
+            _add_dir(tf, d)
+        with open(BUSYBOX, "rb") as f:
+            _add(tf, "bin/busybox", f.read(), 0o755)
+        for applet in ("sh", "sleep", "echo", "cat"):
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tf.addfile(info)
+        _add(tf, "counter.sh", script.read_bytes(), 0o755)
+    layer = layer_buf.getvalue()
+
+    def digest(b: bytes) -> str:
+        return "sha256:" + hashlib.sha256(b).hexdigest()
+
+    config = json.dumps({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Cmd": ["/bin/sh", "/counter.sh"], "Env": ["PATH=/bin"]},
+        "rootfs": {"type": "layers", "diff_ids": [digest(layer)]},
+    }).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config),
+                   "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest(layer),
+                    "size": len(layer)}],
+    }).encode()
+    index = json.dumps({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest),
+        "size": len(manifest), "annotations": {"io.containerd.image.name": COUNTER_IMAGE,
+                                               "org.opencontainers.image.ref.name": COUNTER_IMAGE}}]}).encode()
+    with tarfile.open(out, "w") as tf:
+        _add(tf, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+        _add(tf, "index.json", index)
+        for blob in (layer, config, manifest):
+            _add(tf, "blobs/sha256/" + digest(blob).split(":")[1], blob)
+    return COUNTER_IMAGE
+
+
+@dataclass
+class CounterLog:
+    """The counter workload's output file, parsed and checked."""
+
+    path: Path
+
+    def values(self) -> list[tuple[int, int]]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return []
+        rows = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and all(p.isdigit() for p in parts):
+                rows.append((int(parts[0]), int(parts[1])))
+        return rows
+
+    def last(self) -> int:
+        rows = self.values()
+        return rows[-1][0] if rows else 0
+
+    def wait_for(self, count: int, timeout: float = 20.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.values()) >= count:
+                return self.last()
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.path} has {len(self.values())} lines, waited for {count}")
+
+    def chain_errors(self) -> list[str]:
+        """Lines that break the sequence (a gap or repeat) or the hash chain."""
+        rows = self.values()
+        errors = []
+        if rows and rows[0][1] != expected_hash(rows[0][0]):
+            errors.append(f"first line {rows[0]} does not carry the hash of 1..{rows[0][0]}")
+        for (i0, h0), (i1, h1) in zip(rows, rows[1:]):
+            if i1 != i0 + 1 or h1 != (h0 * 31 + i1) % MODULUS:
+                errors.append(f"{i0} {h0} -> {i1} {h1}")
+        return errors
+
+
+class Containerd:
+    """containerd in its own root under `workdir`, stopped (with its tasks) by `stop`."""
+
+    def __init__(self, workdir: str, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.socket = str(self.workdir / "containerd.sock")
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.namespace = "snapguard"
+
+    @property
+    def runc_root(self) -> str:
+        """runc's --root for this namespace: the shim keeps its containers there."""
+        return f"/run/containerd/runc/{self.namespace}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "config.toml"
+        config.write_text(
+            "version = 2\n"
+            f'root = "{self.workdir}/root"\n'
+            f'state = "{self.workdir}/state"\n'
+            'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+            f'[grpc]\n  address = "{self.socket}"\n'
+            f'[ttrpc]\n  address = "{self.socket}.ttrpc"\n'
+            '[debug]\n  address = ""\n'
+            '[metrics]\n  address = ""\n'
+            '[plugins."io.containerd.runtime.v2.task"]\n'
+            f'  state = "{self.workdir}/state/v2"\n'
+        )
+        log = open(self.workdir / "containerd.log", "ab")
+        self.proc = subprocess.Popen([CONTAINERD, "--config", str(config)], stdout=log, stderr=log,
+                                     env=self.env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"containerd exited {self.proc.returncode}; see {self.workdir}/containerd.log")
+            if os.path.exists(self.socket) and self.ctr("version", check=False).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"containerd did not answer on {self.socket}")
+
+    def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run([CTR, "--address", self.socket, "--namespace", self.namespace, *args],
+                             capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"ctr {' '.join(args)} exited {out.returncode}: {out.stderr.strip()}")
+        return out
+
+    def import_counter_image(self) -> str:
+        tarball = self.workdir / "counter-image.tar"
+        name = build_counter_image(str(tarball))
+        self.ctr("images", "import", "--snapshotter", "native", str(tarball))
+        return name
+
+    def run_counter(self, container_id: str, out_dir: str, runc_binary: str) -> None:
+        """Start the counter detached, its /out bound to out_dir, with runc_binary as the shim's runc."""
+        os.makedirs(out_dir, exist_ok=True)
+        self.ctr("run", "-d", "--null-io", "--snapshotter", "native", "--runc-binary", runc_binary,
+                 "--mount", f"type=bind,src={out_dir},dst=/out,options=rbind:rw",
+                 COUNTER_IMAGE, container_id)
+
+    def bundle_dir(self, container_id: str) -> Path:
+        return self.workdir / "state" / "io.containerd.runtime.v2.task" / self.namespace / container_id
+
+    def mount_snapshot(self, container_id: str, target: Path) -> None:
+        """Bind the container's (native) rootfs snapshot at target."""
+        out = self.ctr("snapshots", "--snapshotter", "native", "mounts", str(target), container_id).stdout.split()
+        # prints: mount -t bind SRC TARGET -o rbind,rw
+        if len(out) < 5 or out[:3] != ["mount", "-t", "bind"]:
+            raise RuntimeError(f"unexpected snapshot mount: {' '.join(out)}")
+        subprocess.run(["/usr/bin/mount", "--rbind", out[3], str(target)], check=True, capture_output=True)
+
+    def task_status(self, container_id: str) -> str | None:
+        for line in self.ctr("tasks", "ls", check=False).stdout.splitlines()[1:]:
+            cols = line.split()
+            if cols and cols[0] == container_id:
+                return cols[-1]
+        return None
+
+    def remove(self, container_id: str) -> None:
+        """Kill and delete the task and the container; quiet when they are already gone."""
+        if self.task_status(container_id) not in (None, "STOPPED"):
+            self.ctr("tasks", "kill", "--signal", "SIGKILL", container_id, check=False)
+            deadline = time.monotonic() + 10
+            while self.task_status(container_id) not in (None, "STOPPED") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.ctr("tasks", "delete", container_id, check=False)
+        self.ctr("containers", "delete", container_id, check=False)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        listing = self.ctr("containers", "ls", "-q", check=False).stdout.split()
+        for cid in listing:
+            self.remove(cid)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        # native snapshots and bundles may leave bind mounts behind on a killed run
+        subprocess.run(["umount", "-R", "-l", str(self.workdir / "state")], capture_output=True, check=False)
+
+
+def cleanup_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
