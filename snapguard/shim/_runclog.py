@@ -47,6 +47,7 @@ def report_failure(failure: Failure, log_path: str | None, log_format: str, work
         print(failure.message, file=sys.stderr)
     if work_path:
         try:
+            os.makedirs(work_path, mode=0o700, exist_ok=True)
             write_private_json(os.path.join(work_path, "snapguard-result.json"), failure.to_dict())
         except OSError as e:
             print(f"snapguard: cannot write result to {work_path}: {e.strerror}", file=sys.stderr)

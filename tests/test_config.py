@@ -1,0 +1,60 @@
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from snapguard._config import ConfigError, check_pinned_binary, load, pinned_runc
+
+
+def test_defaults_with_empty_file(tmp_path: Path) -> None:
+    f = tmp_path / "empty.toml"
+    f.write_text("")
+    cfg = load({"SNAPGUARD_CONFIG": str(f)})
+    assert (cfg.runc, cfg.criu, cfg.criu_libdir) == ("/usr/sbin/runc", "/usr/local/sbin/criu", "/usr/local/lib/criu")
+
+
+def test_file_then_env_override(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('runc = "/usr/sbin/runc"\ncriu = "/opt/criu"\ncriu_timeout_s = 90\n')
+    cfg = load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CRIU": "/usr/local/sbin/criu"})
+    assert cfg.criu == "/usr/local/sbin/criu" and cfg.criu_timeout_s == 90 and cfg.source == str(f)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('runc = "runc"\n', "`runc` must be an absolute path"),
+    ('bogus = 1\n', "unknown key"),
+    ('runc = \n', "not valid TOML"),
+    ('criu_timeout_s = "60"\n', "criu_timeout_s"),
+    ('criu_timeout_s = true\n', "criu_timeout_s"),
+])
+def test_invalid_config(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message) as e:
+        load({"SNAPGUARD_CONFIG": str(f)})
+    assert e.value.reason == "CONFIG_INVALID" and "\n" not in str(e.value)
+
+
+def test_named_config_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load({"SNAPGUARD_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_pinned_runc_refuses_relative_and_unsafe(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="absolute"):
+        pinned_runc({"SNAPGUARD_RUNC": "runc"})
+    with pytest.raises(ConfigError) as e:
+        pinned_runc({"SNAPGUARD_RUNC": str(tmp_path / "missing")})
+    assert e.value.reason == "RUNC_UNUSABLE"
+    exe = tmp_path / "fake-runc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o777)
+    if os.geteuid() == 0:
+        assert "writable by root alone" in (check_pinned_binary(str(exe), "runc") or "")
+    exe.chmod(0o644)
+    assert "not an executable" in (check_pinned_binary(str(exe), "runc") or "")
+    exe.chmod(0o755)
+    assert check_pinned_binary(str(exe), "runc") is None
+    assert pinned_runc({"SNAPGUARD_RUNC": str(exe)}) == str(exe)
+    assert stat.S_IMODE(exe.stat().st_mode) == 0o755
