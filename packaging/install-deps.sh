@@ -11,7 +11,7 @@ PREFIX=/usr/local
 PLUGINDIR=$PREFIX/lib/criu
 BUILD_ROOT=${SNAPGUARD_BUILD_ROOT:-/var/cache/snapguard-build}
 
-RUNTIME_PKGS=(runc containerd iptables busybox-static ca-certificates curl xz-utils)
+RUNTIME_PKGS=(runc containerd iptables busybox-static ca-certificates curl xz-utils gcc python3 python3-venv python3-dev)
 CRIU_BUILD_PKGS=(build-essential dpkg-dev libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev
   protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libbsd-dev pkg-config python3-protobuf
   libnftables-dev libgnutls28-dev libaio-dev uuid-dev)

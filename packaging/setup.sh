@@ -1,0 +1,15 @@
+#!/bin/bash
+# Set up snapguard on this machine as root: the real parts (install-deps.sh), then a virtual
+# environment in .venv with snapguard installed editable (its C helpers are compiled by cffi
+# during the install) and its test dependencies. Idempotent.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+bash packaging/install-deps.sh
+python=${SNAPGUARD_PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "setup: snapguard $(.venv/bin/snapguard --version | awk '{print $2}') in $repo/.venv" >&2

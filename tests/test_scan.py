@@ -1,0 +1,101 @@
+"""The C helper and the pure-Python scanner: same results, on real processes and a churning /proc."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from snapguard.preflight import scan
+
+from .planted import DEVICE_MAP, IO_URING, planted
+
+pytestmark = pytest.mark.skipif(not scan.have_c_helper(), reason="C helper not built (no compiler)")
+
+
+@pytest.fixture
+def planted_device(tmp_path: Path) -> Path:
+    """A char device node of /dev/zero's numbers (1:5) under a path no real device has."""
+    node = tmp_path / "planted-gpu0"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    return node
+
+
+def test_planted_device_found_by_path_and_major(planted_device: Path) -> None:
+    mapped = planted_device.with_name("planted-gpumem")
+    with planted(DEVICE_MAP, str(planted_device), str(mapped)) as pid:
+        for impl in ("c", "python"):
+            by_path = scan.scan([pid], prefixes=(str(planted_device.parent / "planted-"),), majors=(), impl=impl)
+            # Device numbers of mappings are read only under /dev/; an fd's always come from its stat.
+            assert {(m.kind[0], m.path, m.major, m.minor) for m in by_path} == {
+                ("m", str(mapped), 0, 0), ("f", str(planted_device), 1, 5), ("f", str(mapped), 0, 0)}, impl
+            by_major = scan.scan([pid], prefixes=(), majors=(1,), impl=impl)
+            assert ("f", str(planted_device)) in {(m.kind[0], m.path) for m in by_major}, impl
+
+
+def test_io_uring_found(planted_device: Path) -> None:
+    with planted(IO_URING) as pid:
+        found = scan.scan([pid], impl="c")
+        assert any(m.path == "anon_inode:[io_uring]" and m.is_fd for m in found)
+        assert sorted(found) == sorted(scan.scan([pid], impl="python"))
+
+
+def test_c_and_python_agree_on_whole_node() -> None:
+    prefixes = ("/dev/", "anon_inode:", "socket:", "pipe:", "/usr/lib", "/tmp")
+    pids = scan.all_pids()
+    # Compare per pid on a quiet node: what exists in both snapshots must be identical.
+    c = {m for m in scan.scan(pids, prefixes, (1, 5, 136), impl="c")}
+    py = {m for m in scan.scan(pids, prefixes, (1, 5, 136), impl="python")}
+    stable = {m.pid for m in c} & {m.pid for m in py} - {os.getpid()}
+    assert len(c) > 20
+    assert {m for m in c if m.pid in stable} == {m for m in py if m.pid in stable}
+
+
+def test_vanishing_processes_are_skipped() -> None:
+    """Children exit while both scanners run over their pids: no error, only live matches."""
+    stop = threading.Event()
+    spawned: list[int] = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            procs = [subprocess.Popen(["/bin/sleep", "0.0%d" % (i % 5)]) for i in range(20)]
+            spawned.extend(p.pid for p in procs)
+            for p in procs:
+                p.wait()
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(30):
+            pids = scan.all_pids() + spawned[-40:] + [2**22 + 1]  # plus one that never existed
+            scan.scan(pids, ("/dev/", "anon_inode:"), (1,), impl="c")
+            scan.scan(pids, ("/dev/", "anon_inode:"), (1,), impl="python")
+    finally:
+        stop.set()
+        t.join()
+    assert len(spawned) > 40
+
+
+def test_small_buffer_grows(planted_device: Path) -> None:
+    pids = scan.all_pids()
+    assert scan.scan_c(pids, ("/",), ()) == scan.scan_c(pids, ("/",), ())  # > 1 MiB of output on most nodes
+
+
+def test_fixture_proc_root(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "7" / "fd").mkdir(parents=True)
+    (proc / "7" / "maps").write_text(
+        "7f0000000000-7f0000001000 rw-s 00000000 00:05 12 /dev/nvidia0\n"
+        "7f0000002000-7f0000003000 r-xp 00000000 08:01 99 /usr/lib/libcuda.so.580\n"
+        "7f0000004000-7f0000005000 rw-p 00000000 00:00 0 \n")
+    os.symlink("/dev/nvidiactl", proc / "7" / "fd" / "3")
+    os.symlink("anon_inode:[io_uring]", proc / "7" / "fd" / "4")
+    expect = {("m", "/dev/nvidia0"), ("f3", "/dev/nvidiactl"), ("f4", "anon_inode:[io_uring]")}
+    for impl in ("c", "python"):
+        got = scan.scan([7, 8], proc=str(proc), impl=impl)
+        assert {(m.kind, m.path) for m in got} == expect, impl
