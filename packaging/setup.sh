@@ -11,5 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# compat mode: a plain path in a .pth file. The default editable finder imports pathlib and more
+# at every interpreter start, which snapguard-runc's pass-through pays on every runc call.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
 echo "setup: snapguard $(.venv/bin/snapguard --version | awk '{print $2}') in $repo/.venv" >&2

@@ -128,12 +128,61 @@ def check_pinned_binary(path: str, what: str) -> str | None:
     return None
 
 
+def _cache_path(env: dict[str, str] | os._Environ[str]) -> str:
+    return os.path.join(env.get("SNAPGUARD_STATE_DIR") or DEFAULTS["state_dir"], "runc-path.cache")  # type: ignore[arg-type]
+
+
+def _config_stamp(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{path}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _cached_runc(cache: str, stamp: str) -> str | None:
+    """The runc path remembered for this exact config file, if a root-only cache holds it."""
+    try:
+        fd = os.open(cache, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return None
+        cached_stamp, _, runc = f.read(8192).rstrip("\n").partition("\n")
+    return runc if cached_stamp == stamp and runc else None
+
+
+def _remember_runc(cache: str, stamp: str, runc: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{stamp}\n{runc}\n")
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next call a parse
+
+
 def pinned_runc(environ: dict[str, str] | None = None) -> str:
-    """The real runc's path, for the pass-through path: the cheapest source first."""
+    """The real runc's path, for the pass-through path: the cheapest source first.
+
+    Parsing TOML costs more than runc itself takes to answer `state`, so the path read from the
+    config file is cached (root-only, in the state dir) under the file's inode, size and mtime.
+    """
     env = os.environ if environ is None else environ
     runc = env.get("SNAPGUARD_RUNC")
     if not runc:
-        runc = load(env).runc
+        config_path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
+        stamp = _config_stamp(config_path)
+        cache = _cache_path(env)
+        runc = _cached_runc(cache, stamp) if stamp else None
+        if runc is None:
+            runc = load(env).runc
+            if stamp:
+                _remember_runc(cache, stamp, runc)
     elif not os.path.isabs(runc):
         raise ConfigError(f"SNAPGUARD_RUNC must be an absolute path, got {runc!r}")
     problem = check_pinned_binary(runc, "runc")

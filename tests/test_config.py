@@ -58,3 +58,34 @@ def test_pinned_runc_refuses_relative_and_unsafe(tmp_path: Path) -> None:
     assert check_pinned_binary(str(exe), "runc") is None
     assert pinned_runc({"SNAPGUARD_RUNC": str(exe)}) == str(exe)
     assert stat.S_IMODE(exe.stat().st_mode) == 0o755
+
+
+def test_runc_path_cache_follows_config_changes(tmp_path: Path) -> None:
+    exe_a, exe_b = tmp_path / "runc-a", tmp_path / "runc-b"
+    for exe in (exe_a, exe_b):
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'runc = "{exe_a}"\n')
+    env = {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+    assert pinned_runc(env) == str(exe_a)
+    cache = tmp_path / "state" / "runc-path.cache"
+    assert cache.read_text().splitlines()[1] == str(exe_a)
+    assert pinned_runc(env) == str(exe_a)  # from the cache
+    cfg.write_text(f'runc = "{exe_b}"   \n')  # new size and mtime: parsed again
+    assert pinned_runc(env) == str(exe_b)
+
+
+def test_runc_path_cache_writable_by_others_is_ignored(tmp_path: Path) -> None:
+    exe = tmp_path / "runc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'runc = "{exe}"\n')
+    env = {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+    pinned_runc(env)
+    cache = tmp_path / "state" / "runc-path.cache"
+    stamp = cache.read_text().splitlines()[0]
+    cache.write_text(f"{stamp}\n/tmp/evil-runc\n")
+    cache.chmod(0o666)
+    assert pinned_runc(env) == str(exe)
