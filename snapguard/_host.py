@@ -6,7 +6,6 @@ The procfs root is swappable so that parsing is tested against fixture trees.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 __all__ = ["cpu_info", "host_facts", "mem_available_bytes"]
@@ -41,7 +40,7 @@ def mem_available_bytes(proc: str = PROC) -> int:
 def host_facts(proc: str = PROC) -> dict[str, Any]:
     uname = os.uname()
     return {
-        "hostname": socket.gethostname(),
+        "hostname": uname.nodename,
         "kernel": uname.release,
         "arch": uname.machine,
         "cpu": cpu_info(proc),

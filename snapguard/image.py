@@ -13,7 +13,6 @@ import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import __version__
@@ -31,6 +30,7 @@ _MAX_FILES = 100_000
 _MAX_MANIFEST_BYTES = 64 << 20
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 4 << 20
+_PARALLEL_BYTES = 256 << 20
 
 
 def _sha256_file(path: str) -> tuple[int, str]:
@@ -58,11 +58,16 @@ def _image_files(image_dir: str) -> list[str]:
 
 
 def _hash_all(image_dir: str, names: list[str]) -> dict[str, tuple[int, str]]:
-    # hashlib releases the GIL on large buffers: threads hash files in parallel.
-    workers = min(8, os.cpu_count() or 1, max(1, len(names)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(lambda n: _sha256_file(os.path.join(image_dir, n)), names)
-        return dict(zip(names, results))
+    paths = [os.path.join(image_dir, n) for n in names]
+    total = sum(os.lstat(p).st_size for p in paths)
+    if total < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
+        return {n: _sha256_file(p) for n, p in zip(names, paths)}
+    # hashlib releases the GIL on large buffers: threads hash a GPU-sized image in parallel.
+    # Imported here: small images should not pay for the import on every checkpoint.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(names, pool.map(_sha256_file, paths)))
 
 
 def seal(image_dir: str, fields: dict[str, Any]) -> dict[str, Any]:

@@ -68,30 +68,58 @@ def _check_cache_key(criu: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+def _cache_file(state_dir: str | None) -> str | None:
+    return os.path.join(state_dir, "criu-check.json") if state_dir else None
+
+
+def _read_cache(state_dir: str | None, criu: str) -> dict[str, object]:
+    """What was learnt about this very binary since boot: its version, whether check passed."""
+    cache = _cache_file(state_dir)
+    if not cache:
+        return {}
+    try:
+        with open(cache) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("key") == _check_cache_key(criu) else {}
+
+
+def _update_cache(state_dir: str | None, criu: str, **facts: object) -> None:
+    cache = _cache_file(state_dir)
+    if not cache:
+        return
+    data = {**_read_cache(state_dir, criu), **facts, "key": _check_cache_key(criu)}
+    try:
+        ensure_private_dir(os.path.dirname(cache))
+        write_private_json(cache, data)
+    except OSError:
+        pass  # a cache we cannot write only costs time
+
+
+def cached_version(criu: str, state_dir: str | None) -> tuple[int, int, int]:
+    """version(), remembered per binary and boot: a checkpoint should not spawn CRIU to ask."""
+    known = _read_cache(state_dir, criu).get("version")
+    if isinstance(known, list) and len(known) == 3 and all(isinstance(v, int) for v in known):
+        return known[0], known[1], known[2]
+    ver = version(criu)
+    _update_cache(state_dir, criu, version=list(ver))
+    return ver
+
+
 def check(criu: str, state_dir: str | None = None) -> tuple[bool, str]:
     """Run `criu check`; (passed, its output). A pass is cached in state_dir until reboot.
 
     `criu check` takes a large share of a small container's checkpoint time and its answer only
     changes with the kernel or the binary, so a pass is remembered under the boot id.
     """
-    cache = os.path.join(state_dir, "criu-check.json") if state_dir else None
-    key = _check_cache_key(criu)
-    if cache:
-        try:
-            with open(cache) as f:
-                if json.load(f).get("key") == key:
-                    return True, "criu check passed (cached for this boot)"
-        except (OSError, ValueError, AttributeError):
-            pass
+    if _read_cache(state_dir, criu).get("check_passed") is True:
+        return True, "criu check passed (cached for this boot)"
     out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60, check=False)
     text = (out.stdout + out.stderr).strip()
     passed = out.returncode == 0
-    if passed and cache:
-        try:
-            ensure_private_dir(os.path.dirname(cache))
-            write_private_json(cache, {"key": key})
-        except OSError:
-            pass  # a cache we cannot write only costs time
+    if passed:
+        _update_cache(state_dir, criu, check_passed=True)
     return passed, text
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import psutil
-
 from .. import criu, image
 from .._config import Config
 from .._files import ensure_private_dir
@@ -40,7 +38,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
     if rc != 0:
         log = os.path.join(sub.work_path, "dump.log")
         errors = criu.read_log_errors(log)
-        alive = psutil.pid_exists(int(state["pid"]))
+        alive = os.path.exists(f"/proc/{state['pid']}")
         quoted = "; ".join(str(e) for e in errors) or f"runc exited {rc}, no CRIU error in {log}"
         raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted, workload_intact=alive,
                              evidence={"container": sub.container_id, "runc_exit": rc, "log": log,

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import psutil
-
 from .. import criu
 from .._config import Config
 from ..reasons import Reason, SnapguardError
@@ -28,6 +26,16 @@ def _restored_pid(runc: str, opts: GlobalOptions, sub: SubcommandArgs) -> int:
     return int(runc_state(runc, opts, sub.container_id)["pid"])
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, Z...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # comm, in parentheses, may itself contain spaces and parentheses
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs, config: Config) -> dict[str, Any]:
     criu_bin = criu_path(opts, config)
     report = manifest_report(sub.image_path, config, criu=criu_bin)
@@ -46,11 +54,8 @@ def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs
                                                   for e in errors]},
                              warnings=report.warnings)
     pid = _restored_pid(runc, opts, sub)
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.Error:
-        status = "gone"
-    if status in ("gone", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+    status = _process_state(pid)
+    if status in ("gone", "Z", "X"):
         raise SnapguardError(Reason.CRIU_RESTORE_FAILED,
                              f"runc restore succeeded but restored pid {pid} is {status}",
                              evidence={"container": sub.container_id, "pid": pid})
