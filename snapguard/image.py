@@ -109,6 +109,21 @@ def _valid_name(name: str) -> bool:
             and all(p not in ("", ".", "..") for p in parts))
 
 
+def _validate_gpu(gpu: Any, image_dir: str) -> None:
+    if not isinstance(gpu, dict):
+        raise _invalid("manifest field `gpu` is not an object", image_dir)
+    _require(gpu, "driver_version", str, image_dir)
+    gpus = _require(gpu, "gpus", list, image_dir)
+    for g in gpus:
+        if not isinstance(g, dict):
+            raise _invalid("manifest GPU entry is not an object", image_dir)
+        for key in ("name", "uuid"):
+            _require(g, key, str, image_dir)
+        for key in ("index", "memory_total", "used_by_image"):
+            if _require(g, key, int, image_dir) < 0:
+                raise _invalid(f"manifest GPU field `{key}` is negative", image_dir)
+
+
 def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
     """Check the shape of a manifest that may come from another host; return it."""
     if not isinstance(manifest, dict):
@@ -126,6 +141,8 @@ def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
     flags = _require(cpu, "flags", list, image_dir)
     if not all(isinstance(f, str) and f.isprintable() and len(f) < 64 for f in flags):
         raise _invalid("manifest CPU flags are not short strings", image_dir)
+    if manifest.get("gpu") is not None:
+        _validate_gpu(manifest["gpu"], image_dir)
     files = _require(manifest, "files", dict, image_dir)
     if len(files) > _MAX_FILES:
         raise _invalid(f"manifest lists {len(files)} files, more than {_MAX_FILES}", image_dir)

@@ -101,6 +101,22 @@ class Reason(enum.Enum):
     HOST_MEMORY_INSUFFICIENT = _Meta("not enough host memory for the snapshot or restore", P, True,
                                      "free host memory or raise the cgroup limit")
 
+    # the CUDA checkpoint driver API
+    CUDA_LOCK_TIMEOUT = _Meta("the CUDA process could not be locked in time (busy kernels or a held lock)", C, True,
+                              "retry later or raise the timeout; the process was left running")
+    CUDA_CHECKPOINT_FAILED = _Meta("the driver failed to checkpoint the CUDA process", C, True,
+                                   "read the CUDA error; the process was restored and unlocked")
+    CUDA_RESTORE_FAILED = _Meta("the driver failed to restore the CUDA process's GPU state", R, False,
+                                "check free GPU memory and the device map; cuda-checkpoint does not roll back")
+    CUDA_STATE_WEDGED = _Meta("a CUDA process is left locked or checkpointed and could not be brought back", C, False,
+                              "restore and unlock it by hand (snapguard-cuda-checkpoint --toggle), or restart it")
+    NOT_A_CUDA_PROCESS = _Meta("the process has no CUDA context the driver can checkpoint", P, True,
+                               "check the pid; forked workers and NVML users have no context")
+    GPU_IDENTITY_MISMATCH = _Meta("a GPU the image used is absent here and no device map covers it", R, True,
+                                  "pass a device map or restore on a host with those GPUs")
+    TAKE_POINT_TIMEOUT = _Meta("the workload did not answer the take point in time", C, True,
+                               "the snapshot went on with the allocator's whole reserve; check the hook is loaded")
+
     # GPU identity and capacity
     DRIVER_TOO_OLD = _Meta("the NVIDIA driver has no cuCheckpointProcess* API", P, True, "install driver 555 or newer")
     DRIVER_VERSION_MISMATCH = _Meta("the image was taken under another NVIDIA driver", R, True,

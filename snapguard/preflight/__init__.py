@@ -12,7 +12,7 @@ from .. import image
 from .._config import Config
 from .._host import host_facts
 from ..reasons import Finding, SnapguardError
-from . import host, workload
+from . import gpu, host, workload
 from ._report import EXIT_BLOCKED, EXIT_READY, EXIT_UNCHECKED, CheckResult, Report
 
 __all__ = ["EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "Report", "container_report", "manifest_report",
@@ -26,11 +26,20 @@ def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | 
     report.run("criu", lambda: host.check_criu(criu or config.criu, config.state_dir, report.facts))
     report.run("network-lock", host.check_network_lock)
     report.run("cuda-plugin", lambda: host.check_cuda_plugin(config, gpu_required))
+    report.run("nvidia-driver", lambda: _driver_checks(report))
+
+
+def _driver_checks(report: Report) -> list[Finding]:
+    from ..cuda._symbols import find_libcuda
+
+    report.facts["gpu"] = facts = gpu.gpu_facts()
+    return gpu.check_driver(facts, find_libcuda())
 
 
 def node_report(config: Config) -> Report:
     report = Report("--node")
-    host_checks(report, config, gpu_required=os.path.exists("/proc/driver/nvidia/version"))
+    host_checks(report, config, gpu_required=os.path.exists(gpu.NVIDIA_DRIVER))
+    report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.facts.get("gpu")))
     return report
 
 
@@ -84,4 +93,5 @@ def manifest_report(path: str, config: Config, criu: str | None = None) -> Repor
     host_checks(report, config, gpu_required=uses_gpu, criu=criu)
     report.run("image-vs-host", lambda: image.compare_with_host(
         manifest, report.facts["host"], str(report.facts.get("criu_version", "unknown"))))
+    report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.get("gpu"), report.facts.get("gpu")))
     return report

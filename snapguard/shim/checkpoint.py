@@ -8,7 +8,7 @@ from typing import Any
 from .. import criu, image
 from .._config import Config
 from .._files import ensure_private_dir
-from ..preflight import workload
+from ..preflight import gpu, workload
 from ..preflight._report import Report
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs
@@ -52,6 +52,8 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
             "criu_version": report.facts["criu_version"],
             "host": report.facts["host"],
             "processes": inventory.summary(),
+            "gpu": gpu.image_gpu_facts(report.facts["gpu"], [p.pid for p in inventory.procs])
+            if report.facts.get("gpu") and inventory.uses_gpu else None,
         })
     except OSError as e:
         raise SnapguardError(Reason.IMAGE_WRITE_FAILED, f"sealing {sub.image_path}: {e}",

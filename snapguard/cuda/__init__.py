@@ -1,0 +1,12 @@
+"""CUDA checkpointing: the driver API (cuCheckpointProcess*) and what snapguard builds on it.
+
+Public API: `load` (the driver), `CudaError`, `recover` (bring a process back to running after a
+failed snapshot), `libcuda_checkpoint_symbols` (read from the ELF without loading it).
+"""
+
+from ._driver import CHECKPOINT_SYMBOLS, CudaError, Driver, load, uuid_bytes
+from ._recover import recover
+from ._symbols import libcuda_checkpoint_symbols
+
+__all__ = ["CHECKPOINT_SYMBOLS", "CudaError", "Driver", "libcuda_checkpoint_symbols", "load", "recover",
+           "uuid_bytes"]

@@ -1,0 +1,158 @@
+"""The CUDA checkpoint driver API (cuCheckpointProcess*) through cffi, loaded from libcuda.so.1.
+
+Mechanism only: each call returns or raises CudaError with the CUresult; what a failure means
+for a snapshot (a timeout, a wedged process) is decided by the callers.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid as _uuid
+
+from cffi import FFI
+
+__all__ = ["CudaError", "Driver", "STATES", "load"]
+
+_CDEF = """
+typedef int CUresult;
+typedef unsigned long long cuuint64_t;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct { unsigned int timeoutMs; unsigned int reserved0; cuuint64_t reserved1[7]; } CUcheckpointLockArgs;
+typedef struct { cuuint64_t reserved[8]; } CUcheckpointCheckpointArgs;
+typedef struct { CUuuid oldUuid; CUuuid newUuid; } CUcheckpointGpuPair;
+typedef struct {
+    CUcheckpointGpuPair *gpuPairs;
+    unsigned int gpuPairsCount;
+    char reserved[44];
+    cuuint64_t reserved1;
+} CUcheckpointRestoreArgs;
+typedef struct { cuuint64_t reserved[8]; } CUcheckpointUnlockArgs;
+CUresult cuInit(unsigned int flags);
+CUresult cuDriverGetVersion(int *version);
+CUresult cuGetErrorName(CUresult error, const char **name);
+CUresult cuGetErrorString(CUresult error, const char **str);
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid);
+CUresult cuCheckpointProcessGetState(int pid, int *state);
+CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args);
+CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args);
+CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args);
+CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args);
+"""
+
+STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_TIMEOUT = 909
+# Restore arguments carry GPU pairs from the CUDA 13.0 driver API (driver r580); before that the
+# same 64 bytes are reserved and must be zero.
+GPU_PAIRS_MIN_DRIVER_API = 13000
+CHECKPOINT_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+                      "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState",
+                      "cuCheckpointProcessGetRestoreThreadId")
+
+
+class CudaError(Exception):
+    """A CUresult other than CUDA_SUCCESS from a checkpoint call."""
+
+    def __init__(self, call: str, code: int, name: str, text: str, pid: int | None = None) -> None:
+        self.call, self.code, self.name, self.text, self.pid = call, code, name, text, pid
+        where = f" (pid {pid})" if pid is not None else ""
+        super().__init__(f"{call}{where}: {name} ({code}): {text}")
+
+    @property
+    def timed_out(self) -> bool:
+        return self.code == CUDA_ERROR_TIMEOUT
+
+
+class Driver:
+    """One loaded libcuda; cuInit is called once, as restore needs it without persistence mode."""
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        self.ffi = FFI()
+        self.ffi.cdef(_CDEF)
+        self.lib = self.ffi.dlopen(library)
+        self._init_lock = threading.Lock()
+        self._initialised = False
+
+    def _name(self, code: int) -> tuple[str, str]:
+        name, text = self.ffi.new("const char **"), self.ffi.new("const char **")
+        self.lib.cuGetErrorName(code, name)
+        self.lib.cuGetErrorString(code, text)
+        decode = (lambda p: self.ffi.string(p[0]).decode() if p[0] != self.ffi.NULL else "unknown")
+        return decode(name), decode(text)
+
+    def _check(self, call: str, code: int, pid: int | None = None) -> None:
+        if code != 0:
+            raise CudaError(call, code, *self._name(code), pid=pid)
+
+    def init(self) -> None:
+        with self._init_lock:
+            if not self._initialised:
+                self._check("cuInit", self.lib.cuInit(0))
+                self._initialised = True
+
+    def version(self) -> int:
+        v = self.ffi.new("int *")
+        self._check("cuDriverGetVersion", self.lib.cuDriverGetVersion(v))
+        return int(v[0])
+
+    def state(self, pid: int) -> str:
+        self.init()
+        s = self.ffi.new("int *")
+        self._check("cuCheckpointProcessGetState", self.lib.cuCheckpointProcessGetState(pid, s), pid)
+        return STATES.get(int(s[0]), f"unknown({s[0]})")
+
+    def restore_thread_id(self, pid: int) -> int:
+        self.init()
+        tid = self.ffi.new("int *")
+        self._check("cuCheckpointProcessGetRestoreThreadId",
+                    self.lib.cuCheckpointProcessGetRestoreThreadId(pid, tid), pid)
+        return int(tid[0])
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        self.init()
+        args = self.ffi.new("CUcheckpointLockArgs *")
+        args.timeoutMs = timeout_ms
+        self._check("cuCheckpointProcessLock", self.lib.cuCheckpointProcessLock(pid, args), pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self.init()
+        args = self.ffi.new("CUcheckpointCheckpointArgs *")
+        self._check("cuCheckpointProcessCheckpoint", self.lib.cuCheckpointProcessCheckpoint(pid, args), pid)
+
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
+        """Restore GPU state; gpu_pairs maps old GPU UUIDs to new ones and must list every GPU."""
+        self.init()
+        args = self.ffi.new("CUcheckpointRestoreArgs *")
+        keep = None
+        if gpu_pairs:
+            if self.version() < GPU_PAIRS_MIN_DRIVER_API:
+                raise CudaError("cuCheckpointProcessRestore", 801, "CUDA_ERROR_NOT_SUPPORTED",
+                                "this driver's restore takes no GPU pairs (needs the CUDA 13 driver API)", pid)
+            keep = self.ffi.new("CUcheckpointGpuPair[]", len(gpu_pairs))
+            for i, (old, new) in enumerate(gpu_pairs):
+                self.ffi.memmove(keep[i].oldUuid.bytes, uuid_bytes(old), 16)
+                self.ffi.memmove(keep[i].newUuid.bytes, uuid_bytes(new), 16)
+            args.gpuPairs, args.gpuPairsCount = keep, len(gpu_pairs)
+        self._check("cuCheckpointProcessRestore", self.lib.cuCheckpointProcessRestore(pid, args), pid)
+
+    def unlock(self, pid: int) -> None:
+        self.init()
+        args = self.ffi.new("CUcheckpointUnlockArgs *")
+        self._check("cuCheckpointProcessUnlock", self.lib.cuCheckpointProcessUnlock(pid, args), pid)
+
+
+def uuid_bytes(gpu_uuid: str) -> bytes:
+    """'GPU-8c3b...' (as NVML and nvidia-smi print it) to the 16 raw bytes of CUuuid."""
+    text = gpu_uuid[4:] if gpu_uuid.upper().startswith(("GPU-", "MIG-")) else gpu_uuid
+    return _uuid.UUID(text).bytes
+
+
+_loaded: Driver | None = None
+
+
+def load() -> Driver:
+    """The process-wide Driver; raises OSError when libcuda.so.1 cannot be loaded."""
+    global _loaded
+    if _loaded is None:
+        _loaded = Driver()
+    return _loaded
