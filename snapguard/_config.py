@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary"]
+__all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary", "resolve_cuda_checkpoint"]
 
 DEFAULT_CONFIG_PATH = "/etc/snapguard/config.toml"
 
@@ -109,6 +109,18 @@ def load(environ: dict[str, str] | None = None) -> Config:
     if not isinstance(timeout, int) or isinstance(timeout, bool) or not 1 <= timeout <= 3600:
         raise ConfigError(f"`criu_timeout_s` must be an integer from 1 to 3600, got {timeout!r}")
     return Config(values, source)
+
+
+def resolve_cuda_checkpoint(config: Config) -> str | None:
+    """The cuda-checkpoint CRIU's plugin will run: NVIDIA's where installed at the pinned path,
+    else snapguard's own (snapguard-cuda-checkpoint, installed beside this interpreter)."""
+    import sys
+
+    for candidate in (config.cuda_checkpoint,
+                      os.path.join(os.path.dirname(sys.executable), "snapguard-cuda-checkpoint")):
+        if os.path.exists(candidate):
+            return candidate
+    return None
 
 
 def check_pinned_binary(path: str, what: str) -> str | None:

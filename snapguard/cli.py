@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import NoReturn
 
@@ -41,6 +42,28 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--tcp-established", action="store_true",
                      help="the snapshot will carry established TCP connections (a warning, not a blocker)")
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    ck = sub.add_parser("checkpoint", help="snapshot a bare process tree (not in a container) with CRIU",
+                        description=(
+                            "Snapshot the process tree rooted at --pid into --images with the executor's guards: "
+                            "preflight, the take point (a workload started with snapguard's hook is asked to "
+                            "stop at a step boundary and release PyTorch's free reserve), CRIU with its CUDA "
+                            "plugin, and on failure every CUDA process brought back to running. Exit 0 done, "
+                            "1 refused or failed (one typed line on stderr)."))
+    ck.add_argument("--pid", type=int, required=True, help="root of the process tree")
+    ck.add_argument("--images", required=True, metavar="DIR", help="image directory (created 0700)")
+    ck.add_argument("--leave-running", action="store_true", help="keep the tree running after the snapshot")
+    ck.add_argument("--tcp-established", action="store_true", help="carry established TCP connections")
+    ck.add_argument("--take-wait", type=float, default=10.0, metavar="S",
+                    help="seconds to wait for the workload's step boundary (default 10); then go on without")
+    ck.add_argument("--json", action="store_true", help="print the result record as JSON")
+    rt = sub.add_parser("restore", help="restore a bare process tree from --images",
+                        description=("Verify the image (completion marker, checksums, manifest), compare it with "
+                                     "this host (CPU, driver, GPU model, count and memory, pids), restore it "
+                                     "detached with CRIU and check its CUDA processes run."))
+    rt.add_argument("--images", required=True, metavar="DIR")
+    rt.add_argument("--tcp-established", action="store_true")
+    rt.add_argument("--json", action="store_true")
 
     rs = sub.add_parser("reasons", help="list the typed failure reasons",
                         description="The stable failure reason names with meaning, phase and remedy.")
@@ -84,6 +107,47 @@ def _cmd_reasons(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+        return
+    t = result.get("timings", {})
+    print(f"snapguard {result['operation']}: ok, " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    for w in result.get("warnings", []):
+        print(f"  warning {w['reason']}: {w['detail']}")
+
+
+def _guarded(args: argparse.Namespace, run) -> int:
+    from .reasons import SnapguardError
+
+    try:
+        result = run()
+    except SnapguardError as e:
+        print(e.failure.message, file=sys.stderr)
+        if args.json:
+            print(json.dumps(e.failure.to_dict(), indent=2, sort_keys=True, default=str))
+        return 1
+    _print_result(result, args.json)
+    return 0
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from .bare import checkpoint_pid
+
+    config = load()
+    return _guarded(args, lambda: checkpoint_pid(args.pid, os.path.abspath(args.images), config,
+                                                 leave_running=args.leave_running,
+                                                 tcp_established=args.tcp_established, take_wait_s=args.take_wait))
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    from .bare import restore_images
+
+    config = load()
+    return _guarded(args, lambda: restore_images(os.path.abspath(args.images), config,
+                                                 tcp_established=args.tcp_established))
+
+
 def _cmd_drill(args: argparse.Namespace) -> int:
     from .drill import run_drill
 
@@ -93,7 +157,9 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"preflight": _cmd_preflight, "reasons": _cmd_reasons, "drill": _cmd_drill}[args.command](args)
+        commands = {"preflight": _cmd_preflight, "reasons": _cmd_reasons, "drill": _cmd_drill,
+                    "checkpoint": _cmd_checkpoint, "restore": _cmd_restore}
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"snapguard {e.reason}: {e}", file=sys.stderr)
         return EXIT_USAGE

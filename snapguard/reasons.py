@@ -131,6 +131,8 @@ class Reason(enum.Enum):
                            "usually harmless; if the restore fails, restore on the source kernel")
     CRIU_VERSION_CHANGED = _Meta("the image was written by another CRIU version", R, True,
                                  "usually harmless within CRIU 4.x; if the restore fails, use the source's CRIU")
+    PID_CONFLICT = _Meta("a process the image restores has a pid that is taken on this host", R, True,
+                         "stop the original (a leave-running snapshot) or restore into a new pid namespace")
     CPU_FEATURE_MISMATCH = _Meta("this host lacks CPU features the image's processes may use", R, True,
                                  "restore on a host with the same or a newer CPU")
 

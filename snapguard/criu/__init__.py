@@ -15,7 +15,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from .._config import Config
+from .._config import Config, resolve_cuda_checkpoint
 from .._files import ensure_private_dir, write_private_bytes, write_private_json
 
 __all__ = [
@@ -146,12 +146,13 @@ def read_log_errors(path: str, limit: int = 3) -> list[CriuLogError]:
         return []
 
 
-def prepare_environment(config: Config, criu: str, cuda_checkpoint: str | None) -> dict[str, str]:
+def prepare_environment(config: Config, criu: str) -> dict[str, str]:
     """The environment runc (and through it CRIU and its CUDA plugin) runs in.
 
     Builds `<state_dir>/bin`, root-only, holding links to the pinned criu and cuda-checkpoint,
     and a CRIU config with snapguard's timeout.
     """
+    cuda_checkpoint = resolve_cuda_checkpoint(config)
     bin_dir = os.path.join(config.state_dir, "bin")
     ensure_private_dir(config.state_dir)
     ensure_private_dir(bin_dir)
@@ -172,3 +173,25 @@ def prepare_environment(config: Config, criu: str, cuda_checkpoint: str | None) 
         "CRIU_CONFIG_FILE": criu_conf,
     })
     return env
+
+
+def dump_argv(criu: str, pid: int, images: str, work: str, *, leave_running: bool, tcp_established: bool,
+              libdir: str) -> list[str]:
+    """`criu dump` of a bare process tree (snapguard checkpoint --pid)."""
+    argv = [criu, "dump", "--tree", str(pid), "--images-dir", images, "--work-dir", work, "--log-file", "dump.log",
+            "-v4", "--shell-job", "--libdir", libdir]
+    if leave_running:
+        argv.append("--leave-running")
+    if tcp_established:
+        argv.append("--tcp-established")
+    return argv
+
+
+def restore_argv(criu: str, images: str, work: str, pidfile: str, *, tcp_established: bool,
+                 libdir: str) -> list[str]:
+    """`criu restore` of a bare process tree, detached (snapguard restore --images)."""
+    argv = [criu, "restore", "--images-dir", images, "--work-dir", work, "--log-file", "restore.log", "-v4",
+            "--shell-job", "--restore-detached", "--pidfile", pidfile, "--libdir", libdir]
+    if tcp_established:
+        argv.append("--tcp-established")
+    return argv

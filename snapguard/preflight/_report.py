@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..reasons import Finding, Severity
+from ..reasons import Finding, Reason, Severity, SnapguardError
 
 __all__ = ["CheckResult", "Report", "EXIT_READY", "EXIT_BLOCKED", "EXIT_UNCHECKED"]
 
@@ -79,6 +79,21 @@ class Report:
             "warnings": [f.to_dict() for f in self.warnings],
             "facts": self.facts,
         }
+
+    def raise_blockers(self) -> None:
+        """Refuse with the first blocker (the others travel as evidence), or when a check could
+        not run: an unknown is not a go."""
+        blockers = self.blockers
+        if blockers:
+            first = blockers[0]
+            evidence = dict(first.evidence)
+            if len(blockers) > 1:
+                evidence["other_blockers"] = [b.to_dict() for b in blockers[1:]]
+            raise SnapguardError(first.reason, first.detail, evidence=evidence, warnings=self.warnings)
+        for check in self.checks:
+            if check.error:
+                raise SnapguardError(Reason.PREFLIGHT_FAILED, f"check {check.name} could not run: {check.error}",
+                                     evidence={"check": check.name})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

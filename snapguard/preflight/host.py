@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import criu
-from .._config import Config, check_pinned_binary
+from .._config import Config, check_pinned_binary, resolve_cuda_checkpoint
 from ..reasons import Finding, Reason, Severity
 
 __all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "IPTABLES_RESTORE"]
@@ -70,8 +70,10 @@ def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
     if not os.path.isfile(plugin):
         findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, f"no CUDA plugin at {plugin}", severity,
                                 {"path": plugin}))
-    problem = check_pinned_binary(config.cuda_checkpoint, "cuda-checkpoint")
+    tool = resolve_cuda_checkpoint(config)
+    problem = check_pinned_binary(tool, "cuda-checkpoint") if tool else \
+        f"neither {config.cuda_checkpoint} nor snapguard-cuda-checkpoint is installed"
     if problem:
         findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, problem, severity,
-                                {"path": config.cuda_checkpoint}))
+                                {"path": tool or config.cuda_checkpoint}))
     return findings

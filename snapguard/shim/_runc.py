@@ -9,11 +9,10 @@ from typing import Any
 
 from .. import criu
 from .._config import Config
-from ..preflight._report import Report
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions
 
-__all__ = ["criu_path", "prepared_env", "raise_blockers", "run_real", "runc_command", "runc_state"]
+__all__ = ["criu_path", "prepared_env", "run_real", "runc_command", "runc_state"]
 
 
 def criu_path(opts: GlobalOptions, config: Config) -> str:
@@ -47,26 +46,10 @@ def runc_state(runc: str, opts: GlobalOptions, container_id: str) -> dict[str, A
     return state
 
 
-def raise_blockers(report: Report) -> None:
-    """Refuse with the first blocker; the others travel as evidence, warnings as warnings."""
-    blockers = report.blockers
-    if blockers:
-        first = blockers[0]
-        evidence = dict(first.evidence)
-        if len(blockers) > 1:
-            evidence["other_blockers"] = [b.to_dict() for b in blockers[1:]]
-        raise SnapguardError(first.reason, first.detail, evidence=evidence, warnings=report.warnings)
-    for check in report.checks:
-        if check.error:
-            raise SnapguardError(Reason.PREFLIGHT_FAILED, f"check {check.name} could not run: {check.error}",
-                                 evidence={"check": check.name})
-
-
 def run_real(argv: list[str], env: dict[str, str]) -> int:
     # close_fds=False: containerd hands runc the container's stdio and sockets by fd inheritance.
     return subprocess.run(argv, env=env, close_fds=False, check=False).returncode
 
 
 def prepared_env(config: Config, criu_bin: str) -> dict[str, str]:
-    cuda_checkpoint = config.cuda_checkpoint if os.path.exists(config.cuda_checkpoint) else None
-    return criu.prepare_environment(config, criu_bin, cuda_checkpoint)
+    return criu.prepare_environment(config, criu_bin)

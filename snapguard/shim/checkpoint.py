@@ -13,7 +13,7 @@ from ..preflight._report import Report
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs
 from ..preflight import host_checks
-from ._runc import criu_path, prepared_env, raise_blockers, run_real, runc_command, runc_state
+from ._runc import criu_path, prepared_env, run_real, runc_command, runc_state
 
 __all__ = ["checkpoint"]
 
@@ -30,7 +30,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
     inventory = workload.inventory(tree)
     host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin)
     workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"))
-    raise_blockers(report)
+    report.raise_blockers()
 
     ensure_private_dir(sub.image_path)
     os.makedirs(sub.work_path, mode=0o700, exist_ok=True)

@@ -10,7 +10,7 @@ from .._config import Config
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs
 from ..preflight import manifest_report
-from ._runc import criu_path, prepared_env, raise_blockers, run_real, runc_command, runc_state
+from ._runc import criu_path, prepared_env, run_real, runc_command, runc_state
 
 __all__ = ["restore"]
 
@@ -39,7 +39,7 @@ def _process_state(pid: int) -> str:
 def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs, config: Config) -> dict[str, Any]:
     criu_bin = criu_path(opts, config)
     report = manifest_report(sub.image_path, config, criu=criu_bin)
-    raise_blockers(report)
+    report.raise_blockers()
     manifest = report.facts["manifest"]
 
     os.makedirs(sub.work_path, mode=0o700, exist_ok=True)

@@ -1,0 +1,177 @@
+"""Snapshots of bare process trees (jobs not in containers): `snapguard checkpoint --pid` and
+`snapguard restore --images`, with the executor's guards, driving CRIU and its CUDA plugin directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from typing import Any
+
+from . import criu, image
+from ._config import Config
+from ._files import ensure_private_dir
+from .hooks import take
+from .preflight import gpu, host_checks, manifest_report, workload
+from .preflight._report import Report
+from .reasons import Finding, Reason, SnapguardError
+
+__all__ = ["checkpoint_pid", "restore_images", "recover_cuda"]
+
+
+def _env(config: Config) -> dict[str, str]:
+    return criu.prepare_environment(config, config.criu)
+
+
+def recover_cuda(pids: list[int]) -> dict[int, str]:
+    """After a failed snapshot: every CUDA pid back to running. {pid: outcome}."""
+    from . import cuda
+
+    outcomes = {}
+    try:
+        driver = cuda.load()
+    except OSError as e:
+        return {pid: f"driver not loadable: {e}" for pid in pids}
+    for pid in pids:
+        if not os.path.exists(f"/proc/{pid}"):
+            outcomes[pid] = "gone"
+            continue
+        try:
+            found, left = cuda.recover(driver, pid)
+            outcomes[pid] = "running" if found == "running" else f"recovered from {found}"
+        except cuda.CudaError as e:
+            outcomes[pid] = f"wedged: {e}"
+    return outcomes
+
+
+def _take(config: Config, pids: list[int], wait_s: float) -> tuple[dict[int, Any], list[Finding], float]:
+    take_dir = os.path.join(config.state_dir, "take")
+    t0 = time.monotonic()
+    figures, warnings = {}, []
+    for pid in pids:
+        got, warning = take.request(take_dir, pid, wait_s)
+        if got:
+            figures[pid] = got
+        if warning:
+            warnings.append(warning)
+    return figures, warnings, time.monotonic() - t0
+
+
+def _release(config: Config, pids: list[int]) -> None:
+    for pid in pids:
+        take.release(os.path.join(config.state_dir, "take"), pid)
+
+
+def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
+                   tcp_established: bool = False, take_wait_s: float = 10.0) -> dict[str, Any]:
+    t_start = time.monotonic()
+    inv = workload.inventory(workload.process_tree(pid))
+    report = Report(f"--pid {pid}")
+    host_checks(report, config, gpu_required=inv.uses_gpu)
+    workload.run_checks(report, inv, tcp_established)
+    report.raise_blockers()
+    cuda_pids = [p.pid for p in inv.cuda_processes()]
+    preflight_s = time.monotonic() - t_start
+
+    figures, warnings, take_s = _take(config, cuda_pids, take_wait_s)
+    held = list(figures)
+    ensure_private_dir(images)
+    t0 = time.monotonic()
+    argv = criu.dump_argv(config.criu, pid, images, images, leave_running=leave_running,
+                          tcp_established=tcp_established, libdir=config.criu_libdir)
+    rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
+    dump_s = time.monotonic() - t0
+    if rc != 0:
+        errors = criu.read_log_errors(os.path.join(images, "dump.log"))
+        outcomes = recover_cuda(cuda_pids)
+        _release(config, held)
+        intact = os.path.exists(f"/proc/{pid}") and not any(o.startswith("wedged") for o in outcomes.values())
+        raise SnapguardError(Reason.CRIU_DUMP_FAILED,
+                             "; ".join(str(e) for e in errors) or f"criu dump exited {rc}",
+                             workload_intact=intact,
+                             evidence={"pid": pid, "criu_exit": rc, "cuda_recovery": outcomes,
+                                       "errors": [{"where": e.where, "message": e.message, "context": e.context}
+                                                  for e in errors]},
+                             warnings=report.warnings + warnings)
+    if leave_running:
+        outcomes = recover_cuda(cuda_pids)  # the plugin unlocks; verify, and repair if it did not
+        wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
+        if wedged:
+            raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
+                                 evidence={"cuda_recovery": outcomes})
+    t0 = time.monotonic()
+    gpu_facts = report.facts.get("gpu")
+    manifest = image.seal(images, {
+        "root_pid": pid,
+        "bare": True,
+        "leave_running": leave_running,
+        "criu_version": report.facts["criu_version"],
+        "host": report.facts["host"],
+        "processes": inv.summary(),
+        "gpu": gpu.image_gpu_facts(gpu_facts, [p.pid for p in inv.procs]) if gpu_facts and cuda_pids else None,
+        "take_point": {str(p): f for p, f in figures.items()},
+    })
+    seal_s = time.monotonic() - t0
+    if leave_running:
+        _release(config, held)
+    return {
+        "ok": True, "operation": "checkpoint", "pid": pid, "images": images, "leave_running": leave_running,
+        "cuda_pids": cuda_pids, "image_bytes": manifest["image_bytes"],
+        "timings": {"preflight_s": preflight_s, "take_s": take_s, "dump_s": dump_s, "seal_s": seal_s,
+                    "total_s": time.monotonic() - t_start},
+        "take_point": figures, "warnings": [w.to_dict() for w in report.warnings + warnings],
+    }
+
+
+def _pid_conflicts(manifest: dict[str, Any]) -> list[Finding]:
+    taken = [p["pid"] for p in manifest.get("processes", [])
+             if isinstance(p, dict) and isinstance(p.get("pid"), int) and os.path.exists(f"/proc/{p['pid']}")]
+    if not taken:
+        return []
+    return [Finding(Reason.PID_CONFLICT, f"pid(s) {', '.join(map(str, taken))} of the image are in use here",
+                    evidence={"pids": taken})]
+
+
+def restore_images(images: str, config: Config, *, tcp_established: bool = False) -> dict[str, Any]:
+    t_start = time.monotonic()
+    report = manifest_report(images, config)
+    if "manifest" in report.facts:
+        report.run("pid-conflicts", lambda: _pid_conflicts(report.facts["manifest"]))
+    report.raise_blockers()
+    manifest = report.facts["manifest"]
+    preflight_s = time.monotonic() - t_start
+    pidfile = os.path.join(images, "restored.pid")
+    if os.path.exists(pidfile):
+        os.unlink(pidfile)
+    t0 = time.monotonic()
+    argv = criu.restore_argv(config.criu, images, images, pidfile, tcp_established=tcp_established,
+                             libdir=config.criu_libdir)
+    rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
+    restore_s = time.monotonic() - t0
+    if rc != 0:
+        errors = criu.read_log_errors(os.path.join(images, "restore.log"))
+        raise SnapguardError(Reason.CRIU_RESTORE_FAILED, "; ".join(str(e) for e in errors) or f"criu exited {rc}",
+                             evidence={"images": images, "criu_exit": rc,
+                                       "errors": [{"where": e.where, "message": e.message} for e in errors]},
+                             warnings=report.warnings)
+    with open(pidfile) as f:
+        pid = int(f.read().strip())
+    cuda_pids = [p["pid"] for p in manifest["processes"] if isinstance(p, dict) and p.get("gpu")]
+    states = {}
+    if cuda_pids:
+        from . import cuda
+
+        driver = cuda.load()
+        states = {p: driver.state(p) for p in cuda_pids}
+        if any(s != "running" for s in states.values()):
+            raise SnapguardError(Reason.CUDA_RESTORE_FAILED, f"restored CUDA processes are not running: {states}",
+                                 workload_intact=False, evidence={"states": states})
+    if not os.path.exists(f"/proc/{pid}"):
+        raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored pid {pid} is gone", workload_intact=False,
+                             evidence={"pid": pid})
+    held = [int(p) for p in manifest.get("take_point", {})]
+    _release(config, held)
+    return {"ok": True, "operation": "restore", "pid": pid, "images": images, "cuda_states": states,
+            "timings": {"preflight_s": preflight_s, "restore_s": restore_s, "total_s": time.monotonic() - t_start},
+            "warnings": [w.to_dict() for w in report.warnings]}

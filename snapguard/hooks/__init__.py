@@ -1,0 +1,20 @@
+"""The take point: a workload-side hook that brings a PyTorch trainer to a step boundary,
+releases the allocator's free reserve and holds still while a snapshot is taken.
+
+Injected without changing the trainer: start it with PYTHONPATH including `site_dir()` (which
+holds a sitecustomize) and SNAPGUARD_TAKE_DIR set. The executor side is `take.request`/`release`.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["site_dir", "socket_path"]
+
+
+def site_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+
+
+def socket_path(take_dir: str, pid: int) -> str:
+    return os.path.join(take_dir, f"{pid}.sock")
