@@ -68,7 +68,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     t_start = time.monotonic()
     inv = workload.inventory(workload.process_tree(pid))
     report = Report(f"--pid {pid}")
-    host_checks(report, config, gpu_required=inv.uses_gpu)
+    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
     workload.run_checks(report, inv, tcp_established)
     report.raise_blockers()
     cuda_pids = [p.pid for p in inv.cuda_processes()]

@@ -74,8 +74,13 @@ def _parser() -> argparse.ArgumentParser:
                             "Start containerd (own root, BinaryName snapguard-runc) if needed, run a counter "
                             "container built from examples/ locally, checkpoint it through ctr (leave-running "
                             "and exit variants), restore it, and show that it continued where it stopped."))
+    dr.add_argument("--workload", choices=("counter", "torch"), default="counter",
+                    help="counter: the CPU container drill (default); torch: snapshots of a live PyTorch "
+                         "trainer on the GPU, compared bit for bit with an uninterrupted run")
     dr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     dr.add_argument("--workdir", metavar="DIR", help="keep containerd's root and the images here")
+    dr.add_argument("--steps", type=int, default=200, help="torch: training steps per run (default 200)")
+    dr.add_argument("--at", type=int, default=80, help="torch: snapshot after this step (default 80)")
     return p
 
 
@@ -149,6 +154,16 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
+    if args.workload == "torch":
+        import tempfile
+
+        from .torch_drill import run_torch_drill
+
+        if not 0 < args.at < args.steps:
+            print("snapguard USAGE_ERROR: --at must be between 0 and --steps", file=sys.stderr)
+            return EXIT_USAGE
+        return run_torch_drill(load(), args.workdir or tempfile.mkdtemp(prefix="snapguard-torch-"),
+                               steps=args.steps, at=args.at, json_path=args.json)
     from .drill import run_drill
 
     return run_drill(json_path=args.json, workdir=args.workdir)

@@ -19,12 +19,15 @@ __all__ = ["EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "Report", "container_
            "host_checks", "node_report", "pid_report"]
 
 
-def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None) -> None:
-    """The checks every snapshot and restore needs from the host; `criu` overrides the pinned one."""
+def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
+                network_lock: bool = True) -> None:
+    """The checks every snapshot and restore needs from the host; `criu` overrides the pinned one.
+    `network_lock`: the tree has a network namespace of its own, which CRIU locks with iptables."""
     report.facts["host"] = host_facts()
     report.run("privileges", host.check_privileges)
     report.run("criu", lambda: host.check_criu(criu or config.criu, config.state_dir, report.facts))
-    report.run("network-lock", host.check_network_lock)
+    if network_lock:
+        report.run("network-lock", host.check_network_lock)
     report.run("cuda-plugin", lambda: host.check_cuda_plugin(config, gpu_required))
     report.run("nvidia-driver", lambda: _driver_checks(report))
 
@@ -50,7 +53,7 @@ def pid_report(pid: int, config: Config, tcp_established: bool = False) -> Repor
     except SnapguardError as e:
         report.checks.append(CheckResult("process-tree", error=e.failure.detail))
         return report
-    host_checks(report, config, gpu_required=inv.uses_gpu)
+    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
     workload.run_checks(report, inv, tcp_established)
     return report
 

@@ -107,6 +107,14 @@ def _children(pid: int, proc: str) -> list[int]:
     return kids
 
 
+def own_netns(pid: int, proc: str = _host.PROC) -> bool:
+    """Whether pid lives in another network namespace than this process (CRIU then locks it)."""
+    try:
+        return os.readlink(f"{proc}/{pid}/ns/net") != os.readlink(f"{proc}/self/ns/net")
+    except OSError:
+        return True  # cannot tell: check the lock tools as if it did
+
+
 def process_tree(root_pid: int, proc: str = _host.PROC) -> list[int]:
     """root_pid and all its descendants, root first."""
     if not os.path.isdir(f"{proc}/{root_pid}"):

@@ -1,0 +1,148 @@
+"""A deterministic char-level GPT trainer (about 85 M parameters, bf16 autocast) for the GPU drill.
+
+No checkpoint code for snapshots: snapguard snapshots the live process. It writes one line per step
+to --log (opened O_APPEND, which CRIU does not size-check at restore):
+    step <n> <loss as float32 hex> <unix time> <reserved bytes>
+and at the end SHA-256 digests of parameters, optimizer state and RNG state to --result. Data is
+generated in-process from the step number, so a run depends on nothing but its seed.
+--save-at/--save-path and --resume give the file-checkpoint baseline (torch.save + fsync + rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+import struct
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+VOCAB, CTX = 256, 256
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.register_buffer("mask", torch.tril(torch.ones(CTX, CTX, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        # explicit attention: deterministic under torch.use_deterministic_algorithms
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int = 768, layers: int = 12, heads: int = 12) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(CTX, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def batch(step: int, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text-like bytes from the step number alone: a seeded walk over a small alphabet."""
+    g = torch.Generator(device="cpu").manual_seed(1_000_003 * step + 7)
+    base = torch.randint(97, 123, (size, 1), generator=g)
+    steps = torch.randint(0, 3, (size, CTX + 1), generator=g)
+    seq = ((base + steps.cumsum(1) - 97) % 26 + 97).to(device)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def digest(obj: object) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def state_digests(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+    return {
+        "params": digest({k: cpu(v) for k, v in model.state_dict().items()}),
+        "optimizer": digest({k: {n: cpu(t) if torch.is_tensor(t) else t for n, t in s.items()}
+                             for k, s in opt.state_dict()["state"].items()}),
+        "rng": digest({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state()}),
+    }
+
+
+def save_file_checkpoint(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    t0 = time.perf_counter()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                    "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--save-at", type=int, default=0, help="write a file checkpoint after this step")
+    ap.add_argument("--save-path")
+    ap.add_argument("--resume", help="continue from a file checkpoint")
+    args = ap.parse_args()
+    t_start = time.time()
+    torch.manual_seed(1234)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = "cuda"
+    model = GPT().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    fwd = torch.compile(model) if args.compile else model
+    first = 1
+    if args.resume:
+        ck = torch.load(args.resume, map_location=device, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["rng"])
+        torch.cuda.set_rng_state(ck["cuda_rng"])
+        first = ck["step"] + 1
+    log = open(args.log, "a", buffering=1)
+    log.write(f"start {os.getpid()} {t_start:.6f} {time.time():.6f} "
+              f"{sum(p.numel() for p in model.parameters())}\n")
+    for step in range(first, args.steps + 1):
+        x, y = batch(step, args.batch, device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(fwd(x).float().view(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        bits = struct.pack(">f", loss.item()).hex()
+        log.write(f"step {step} {bits} {time.time():.6f} {torch.cuda.memory_reserved()}\n")
+        if step == args.save_at and args.save_path:
+            log.write(f"saved {step} {save_file_checkpoint(args.save_path, step, model, opt):.6f}\n")
+    with open(args.result + ".tmp", "w") as f:
+        json.dump({"steps": args.steps, **state_digests(model, opt)}, f)
+    os.replace(args.result + ".tmp", args.result)
+
+
+if __name__ == "__main__":
+    main()
