@@ -149,11 +149,14 @@ def test_driver_list_of_cuda_pids_wins(gpu_proc: Path) -> None:
 def test_nccl_and_mps(tmp_path: Path) -> None:
     root = tmp_path / "proc"
     devices = ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"]
-    _fake_proc(root, 200, "rank0", [LIBCUDA, LIBNCCL, *devices], devices, env={"NCCL_DEBUG": "INFO"})
+    _fake_proc(root, 200, "rank0", [LIBCUDA, LIBNCCL, "/dev/shm/nccl-Ab12Cd (deleted)", *devices], devices)
+    # every PyTorch CUDA process maps libnccl, and images set NCCL_* node-wide: neither is NCCL in use
+    _fake_proc(root, 250, "trainer", [LIBCUDA, LIBNCCL, *devices], devices, env={"NCCL_NVLS_ENABLE": "0"})
     _fake_proc(root, 300, "mps-client", [LIBCUDA, *devices], devices,
                env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"})
     nccl = _fixture_findings(root, [200])[Reason.NCCL_UNSUPPORTED][0]
-    assert nccl.evidence["pids"] == [200] and "uses NCCL" in nccl.detail
+    assert nccl.evidence["pids"] == [200] and "NCCL communicator" in nccl.detail
+    assert Reason.NCCL_UNSUPPORTED not in _fixture_findings(root, [250])
     mps = _fixture_findings(root, [300])[Reason.MPS_UNSUPPORTED][0]
     assert mps.evidence["evidence"] == ["CUDA_MPS_PIPE_DIRECTORY"]
 

@@ -58,7 +58,8 @@ def main() -> int:
     print(node.to_text())
     print(json.dumps(summary, indent=1, default=str))
     os.killpg(job.pid, 9)
-    ok = len(cuda) == 1 and len(stray) == 2 and cuda[0]["pid"] not in stray
+    ok = (len(cuda) == 1 and len(stray) == 2 and cuda[0]["pid"] not in stray
+          and set(summary["blockers"]) == {"STRAY_GPU_DEVICE_HANDLE"})
     print("stray handles demo:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

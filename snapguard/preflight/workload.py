@@ -21,7 +21,7 @@ NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+|ctl|-uvm|-uvm-tools|-modeset|-caps/.*
 RDMA_DEV = re.compile(r"^/dev/(infiniband/.*|gdrdrv)$")
 IO_URING = "anon_inode:[io_uring]"
 CUDA_LIB = re.compile(r"/libcuda\.so(\.\d+)*$")
-NCCL_LIB = re.compile(r"/libnccl\.so(\.\d+)*$")
+NCCL_SHM = "/dev/shm/nccl-"
 SOCKET = re.compile(r"^socket:\[(\d+)\]$")
 O_ACCMODE, O_APPEND = 0o3, 0o2000
 GHOST_LIMIT = 1 << 20  # CRIU's default --ghost-limit: larger deleted files cannot be carried
@@ -52,8 +52,11 @@ class ProcInfo:
         return any(CUDA_LIB.search(p) for p in self.mapped_paths)
 
     @property
-    def maps_libnccl(self) -> bool:
-        return any(NCCL_LIB.search(p) for p in self.mapped_paths)
+    def nccl_in_use(self) -> bool:
+        """An NCCL communicator exists: NCCL maps its shared-memory transport under /dev/shm.
+        (libnccl itself is mapped by every PyTorch CUDA process, and the NCCL_* environment is
+        often set node-wide, so neither says that NCCL is in use.)"""
+        return any(p.startswith(NCCL_SHM) for p in self.mapped_paths)
 
     @property
     def maps_gpu_memory(self) -> bool:
@@ -235,11 +238,11 @@ def check_stray_gpu_handles(inv: Inventory) -> list[Finding]:
 
 def check_multi_cuda(inv: Inventory) -> list[Finding]:
     cuda = inv.cuda_processes()
-    nccl = [p for p in cuda if p.maps_libnccl or any(k.startswith("NCCL_") for k in p.env)]
+    nccl = [p for p in cuda if p.nccl_in_use]
     if nccl:
         p = nccl[0]
         return [Finding(Reason.NCCL_UNSUPPORTED,
-                        f"pid {p.pid} ({p.comm}) uses NCCL: locking one rank hangs its peers",
+                        f"pid {p.pid} ({p.comm}) has an NCCL communicator: locking one rank hangs its peers",
                         evidence={"pids": [q.pid for q in nccl]})]
     if len(cuda) > 1:
         return [Finding(Reason.NCCL_UNSUPPORTED,
