@@ -68,7 +68,8 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     t_start = time.monotonic()
     inv = workload.inventory(workload.process_tree(pid))
     report = Report(f"--pid {pid}")
-    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
+    own_netns = workload.own_netns(pid)
+    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=own_netns)
     workload.run_checks(report, inv, tcp_established)
     report.raise_blockers()
     cuda_pids = [p.pid for p in inv.cuda_processes()]
@@ -105,6 +106,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     manifest = image.seal(images, {
         "root_pid": pid,
         "bare": True,
+        "own_netns": own_netns,
         "leave_running": leave_running,
         "criu_version": report.facts["criu_version"],
         "host": report.facts["host"],

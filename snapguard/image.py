@@ -141,6 +141,8 @@ def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
     flags = _require(cpu, "flags", list, image_dir)
     if not all(isinstance(f, str) and f.isprintable() and len(f) < 64 for f in flags):
         raise _invalid("manifest CPU flags are not short strings", image_dir)
+    if not isinstance(manifest.get("own_netns", False), bool):
+        raise _invalid("manifest field `own_netns` is not a boolean", image_dir)
     if manifest.get("gpu") is not None:
         _validate_gpu(manifest["gpu"], image_dir)
     files = _require(manifest, "files", dict, image_dir)

@@ -63,6 +63,7 @@ def main() -> int:
     ck = checkpoint_pid(p.pid, str(work / "lr.img"), config, leave_running=True)
     res["leave_running"] = {k: ck[k] for k in ("image_bytes", "timings", "cuda_pids", "warnings")}
     n = last(log); time.sleep(0.5); res["leave_running"]["progress_after"] = last(log) - n
+    print(json.dumps(res, indent=1, default=str), flush=True)
     ck = checkpoint_pid(p.pid, str(work / "stop.img"), config, leave_running=False)
     p.wait()
     before = last(log)

@@ -93,7 +93,8 @@ def manifest_report(path: str, config: Config, criu: str | None = None) -> Repor
     report.checks.append(CheckResult("image"))
     report.facts["manifest"] = manifest
     uses_gpu = any(p.get("gpu") for p in manifest.get("processes", []) if isinstance(p, dict))
-    host_checks(report, config, gpu_required=uses_gpu, criu=criu)
+    # a tree dumped from the host's own network namespace needs no network lock to restore
+    host_checks(report, config, gpu_required=uses_gpu, criu=criu, network_lock=manifest.get("own_netns") is not False)
     report.run("image-vs-host", lambda: image.compare_with_host(
         manifest, report.facts["host"], str(report.facts.get("criu_version", "unknown"))))
     report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.get("gpu"), report.facts.get("gpu")))

@@ -49,6 +49,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
         manifest = image.seal(sub.image_path, {
             "container_id": sub.container_id,
             "leave_running": sub.flag("leave-running"),
+            "own_netns": workload.own_netns(int(state["pid"])),
             "criu_version": report.facts["criu_version"],
             "host": report.facts["host"],
             "processes": inventory.summary(),
