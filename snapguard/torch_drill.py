@@ -90,13 +90,18 @@ class Trainer:
             time.sleep(0.01)
         raise TimeoutError(f"{self.name} did not reach step {step}")
 
-    def wait_done(self, timeout: float = 900) -> dict[str, Any]:
+    def wait_done(self, timeout: float = 900, pid: int | None = None) -> dict[str, Any]:
+        """The run's result; `pid` names a restored process (not our child) to watch instead."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.result.exists():
-                if self.proc is not None:
-                    self.proc.wait(timeout=60) if self.proc.poll() is None else None
+                if self.proc is not None and pid is None:
+                    self.proc.wait(timeout=60)
                 return json.loads(self.result.read_text())
+            gone = (self.proc.poll() is not None) if pid is None and self.proc else \
+                (pid is not None and not os.path.exists(f"/proc/{pid}"))
+            if gone and not self.result.exists():
+                raise RuntimeError(f"{self.name} exited without a result; see {self.name}.out")
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} did not finish")
 
@@ -118,7 +123,8 @@ def _stall(run: Trainer, around: float) -> float:
     """Longest gap between consecutive steps around a moment, less the median step time."""
     times = [t for _, _, t, _ in run.rows()]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    window = [b - a for a, b in zip(times, times[1:]) if a - 30 <= around <= b + 30]
+    # the gap spanning the snapshot: it ends after the request and starts within a minute of it
+    window = [b - a for a, b in zip(times, times[1:]) if b >= around and a <= around + 60]
     return max(window, default=0.0) - statistics.median(gaps) if gaps else 0.0
 
 
@@ -152,9 +158,10 @@ def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str,
         first_new = next(r for r in run.rows() if r[2] > t_restore)
         out.update(restore=rs["timings"], restore_to_first_new_step_s=first_new[2] - t_restore,
                    first_new_step=first_new[0], last_step_before=last_before)
+        result = run.wait_done(pid=rs["pid"])
     else:
         out["stall_s"] = _stall(run, t_request)
-    result = run.wait_done()
+        result = run.wait_done()
     out.update(compare(ref, run, ref_result, result))
     out["step_time_s"] = _step_time(run)
     return out
@@ -208,11 +215,14 @@ def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int =
                 for trimmed in (False, True):
                     rows.append(snapshot_run(base, config, ref, ref_result, steps=steps, at=at, stop=stop,
                                              trimmed=trimmed))
+                    print(json.dumps(rows[-1], default=str), flush=True)
         if "file" in arms:
             rows.append(file_checkpoint_run(base, ref, ref_result, steps=steps, at=at))
-    except SnapguardError as e:
-        print(e.failure.message, file=sys.stderr)
-        rows.append({"arm": "failed", "failure": e.failure.to_dict()})
+            print(json.dumps(rows[-1], default=str), flush=True)
+    except (SnapguardError, RuntimeError, TimeoutError) as e:
+        failure = e.failure.to_dict() if isinstance(e, SnapguardError) else {"error": str(e)}
+        print(f"torch drill: {e}", file=sys.stderr)
+        rows.append({"arm": "failed", "failure": failure})
     print(_table([r for r in rows if r["arm"] != "failed"]))
     ok = all(r.get("bit_identical") for r in rows)
     if json_path:

@@ -122,8 +122,8 @@ def main() -> None:
         ck = torch.load(args.resume, map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        torch.set_rng_state(ck["rng"])
-        torch.cuda.set_rng_state(ck["cuda_rng"])
+        torch.set_rng_state(ck["rng"].cpu())  # map_location moved the RNG states to the GPU too
+        torch.cuda.set_rng_state(ck["cuda_rng"].cpu())
         first = ck["step"] + 1
     log = open(args.log, "a", buffering=1)
     log.write(f"start {os.getpid()} {t_start:.6f} {time.time():.6f} "

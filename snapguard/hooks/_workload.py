@@ -29,11 +29,11 @@ class _TakePoint:
         self.handle: Any = None
 
     def arm(self) -> None:
-        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.reached.clear()
         self.released.clear()
-        self.handle = torch.optim.optimizer.register_optimizer_step_post_hook(self._at_step_end)
+        self.handle = register_optimizer_step_post_hook(self._at_step_end)
 
     def _at_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         import torch
