@@ -51,6 +51,9 @@ class Trainer:
         return self.workdir / f"{self.name}.result.json"
 
     def start(self, take_dir: str | None = None) -> int:
+        for stale in (self.log, self.result, self.workdir / f"{self.name}.out"):
+            if stale.exists():
+                raise RuntimeError(f"{stale} exists: a drill needs a fresh working directory")
         env = dict(os.environ)
         if self.trimmed and take_dir:
             # the take point: no change to the trainer, only its environment
@@ -204,6 +207,10 @@ def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int =
                     json_path: str | None = None, arms: tuple[str, ...] = ("snapshots", "file")) -> int:
     base = Path(workdir)
     base.mkdir(parents=True, exist_ok=True)
+    if any(base.iterdir()):
+        print(f"snapguard USAGE_ERROR: {base} is not empty: earlier logs would be read as this drill's",
+              file=sys.stderr)
+        return 2
     ref = Trainer(base, "reference", steps)
     ref.start()
     ref_result = ref.wait_done()
