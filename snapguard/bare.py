@@ -96,6 +96,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
                                                   for e in errors]},
                              warnings=report.warnings + warnings)
     if leave_running:
+        _release(config, held)  # the dump is on disk: the trainer need not wait for the seal
         outcomes = recover_cuda(cuda_pids)  # the plugin unlocks; verify, and repair if it did not
         wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
         if wedged:
@@ -115,8 +116,6 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
         "take_point": {str(p): f for p, f in figures.items()},
     })
     seal_s = time.monotonic() - t0
-    if leave_running:
-        _release(config, held)
     return {
         "ok": True, "operation": "checkpoint", "pid": pid, "images": images, "leave_running": leave_running,
         "cuda_pids": cuda_pids, "image_bytes": manifest["image_bytes"],

@@ -1,6 +1,7 @@
 """The compatibility manifest and the integrity of an image directory.
 
-At checkpoint: every file of the image is hashed into the manifest, the manifest is written 0600,
+At checkpoint: every file of the image is hashed into the manifest (sha256 over the sha256s of its
+64 MiB spans, so that large page files hash on every core), the manifest is written 0600,
 and a completion marker holding the manifest's sha256 is written last. At restore: no marker means
 a half-written or half-copied image; a changed file or manifest means corruption; and the manifest,
 which may come from another host, is validated field by field before anything reads it.
@@ -29,19 +30,30 @@ _NOT_IMAGE = frozenset({MANIFEST_NAME, MARKER_NAME, "snapguard-result.json", "re
 _MAX_FILES = 100_000
 _MAX_MANIFEST_BYTES = 64 << 20
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 4 << 20
+_READ = 4 << 20
+_SPAN = 64 << 20  # files are hashed in spans of this size (the manifest's digest scheme)
 _PARALLEL_BYTES = 256 << 20
 
 
-def _sha256_file(path: str) -> tuple[int, str]:
+def _sha256_span(path: str, offset: int, length: int) -> bytes:
     h = hashlib.sha256()
-    size = 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+    try:
+        done = 0
+        while done < length:
+            block = os.pread(fd, min(_READ, length - done), offset + done)
+            if not block:
+                break  # the file shrank: its digest will not match
+            h.update(block)
+            done += len(block)
+    finally:
+        os.close(fd)
+    return h.digest()
+
+
+def _spans(path: str) -> tuple[int, list[tuple[str, int, int]]]:
+    size = os.lstat(path).st_size
+    return size, [(path, off, min(_SPAN, size - off)) for off in range(0, size, _SPAN)] or [(path, 0, 0)]
 
 
 def _image_files(image_dir: str) -> list[str]:
@@ -58,16 +70,24 @@ def _image_files(image_dir: str) -> list[str]:
 
 
 def _hash_all(image_dir: str, names: list[str]) -> dict[str, tuple[int, str]]:
-    paths = [os.path.join(image_dir, n) for n in names]
-    total = sum(os.lstat(p).st_size for p in paths)
-    if total < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
-        return {n: _sha256_file(p) for n, p in zip(names, paths)}
-    # hashlib releases the GIL on large buffers: threads hash a GPU-sized image in parallel.
-    # Imported here: small images should not pay for the import on every checkpoint.
-    from concurrent.futures import ThreadPoolExecutor
+    """{name: (size, digest)}: the digest is the sha256 of the sha256s of the file's 64 MiB spans,
+    so that one 6 GB pages file is hashed by all cores, not one."""
+    sized = {n: _spans(os.path.join(image_dir, n)) for n in names}
+    spans = [span for _, file_spans in sized.values() for span in file_spans]
+    if sum(size for size, _ in sized.values()) < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
+        digests = [_sha256_span(*span) for span in spans]
+    else:
+        # hashlib releases the GIL on large buffers. Imported here: small images should not pay
+        # for the import on every checkpoint.
+        from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return dict(zip(names, pool.map(_sha256_file, paths)))
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(lambda span: _sha256_span(*span), spans))
+    out, i = {}, 0
+    for name, (size, file_spans) in sized.items():
+        out[name] = (size, hashlib.sha256(b"".join(digests[i:i + len(file_spans)])).hexdigest())
+        i += len(file_spans)
+    return out
 
 
 def seal(image_dir: str, fields: dict[str, Any]) -> dict[str, Any]:

@@ -163,8 +163,8 @@ def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str,
                    first_new_step=first_new[0], last_step_before=last_before)
         result = run.wait_done(pid=rs["pid"])
     else:
-        out["stall_s"] = _stall(run, t_request)
         result = run.wait_done()
+        out["stall_s"] = _stall(run, t_request)  # after the run: the first step after the hold is logged
     out.update(compare(ref, run, ref_result, result))
     out["step_time_s"] = _step_time(run)
     return out
