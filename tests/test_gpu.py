@@ -1,0 +1,132 @@
+"""GPU-side logic that runs without a GPU: image-vs-host GPU comparison, the driver checks on
+fixture facts, libcuda's exported symbols read from a real ELF, and the cuda-checkpoint CLI's
+contract with CRIU's plugin. (The driver calls themselves ran on the H200: bench/results/h200/.)"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cffi import FFI
+
+from snapguard.cuda import CHECKPOINT_SYMBOLS, libcuda_checkpoint_symbols, uuid_bytes
+from snapguard.cuda._driver import _CDEF
+from snapguard.preflight import gpu
+from snapguard.reasons import Reason, Severity
+
+H200 = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-8c3b4b7e-1111-2222-3333-444455556666",
+        "pci_bus_id": "00000000:00:06.0", "minor": 0, "compute_capability": "9.0",
+        "memory_total": 150_323_855_360, "memory_free": 150_000_000_000, "persistence_mode": True,
+        "mig_mode": False, "processes": {}}
+HOST = {"driver_version": "580.159.04", "cuda_driver_version": 13000, "gpus": [H200]}
+
+
+def image_of(host: dict, used: int = 4 << 30) -> dict:
+    img = gpu.image_gpu_facts(copy.deepcopy(host), [])
+    for g in img["gpus"]:
+        g["used_by_image"] = used
+    return img
+
+
+def reasons(findings) -> set[Reason]:
+    return {f.reason for f in findings}
+
+
+def test_same_host_restores() -> None:
+    assert gpu.compare_gpu(image_of(HOST), HOST) == []
+
+
+def test_model_driver_count_and_memory() -> None:
+    img = image_of(HOST)
+    h100 = copy.deepcopy(HOST)
+    h100["gpus"][0]["name"] = "NVIDIA H100 80GB HBM3"
+    f = gpu.compare_gpu(img, h100)
+    assert reasons(f) == {Reason.GPU_MODEL_MISMATCH}
+    assert f[0].detail == "image taken on NVIDIA H200, this host has NVIDIA H100 80GB HBM3"
+    other_driver = copy.deepcopy(HOST)
+    other_driver["driver_version"] = "575.51.03"
+    assert reasons(gpu.compare_gpu(img, other_driver)) == {Reason.DRIVER_VERSION_MISMATCH}
+    two = copy.deepcopy(HOST)
+    two["gpus"].append(dict(H200, index=1, uuid="GPU-00000000-0000-0000-0000-000000000001"))
+    assert reasons(gpu.compare_gpu(image_of(two), HOST)) == {Reason.GPU_COUNT_MISMATCH}
+    full = copy.deepcopy(HOST)
+    full["gpus"][0]["memory_free"] = 1 << 30
+    assert reasons(gpu.compare_gpu(img, full)) == {Reason.GPU_MEMORY_INSUFFICIENT}
+    assert reasons(gpu.compare_gpu(img, None)) == {Reason.GPU_COUNT_MISMATCH}
+
+
+def test_other_gpu_same_model_gets_a_device_map() -> None:
+    other = copy.deepcopy(HOST)
+    other["gpus"][0]["uuid"] = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+    (f,) = gpu.compare_gpu(image_of(HOST), other)
+    assert f.reason is Reason.GPU_IDENTITY_MISMATCH and f.severity is Severity.WARNING
+    assert f.evidence["device_map"] == [(H200["uuid"], other["gpus"][0]["uuid"])]
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two real shared objects: one exporting the checkpoint API's names, one an older driver's."""
+    d = tmp_path_factory.mktemp("libcuda")
+    full, old = d / "full.c", d / "old.c"
+    full.write_text("".join(f"int {s}(void) {{ return 0; }}\n" for s in CHECKPOINT_SYMBOLS))
+    old.write_text("int cuInit(void) { return 0; }\nint cuCheckpointProcessLock;\n")
+    for src in (full, old):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(src.with_suffix(".so")), str(src)], check=True)
+    return full.with_suffix(".so"), old.with_suffix(".so")
+
+
+def test_checkpoint_symbols_read_from_elf(fake_libcuda: tuple[Path, Path]) -> None:
+    full, old = fake_libcuda
+    assert all(libcuda_checkpoint_symbols(str(full)).values())
+    # a data object of the same name is not the function
+    assert not any(libcuda_checkpoint_symbols(str(old)).values())
+    with pytest.raises(ValueError, match="not a readable ELF"):
+        libcuda_checkpoint_symbols(__file__)
+
+
+def test_driver_checks(fake_libcuda: tuple[Path, Path]) -> None:
+    full, old = fake_libcuda
+    assert gpu.check_driver(HOST, str(full)) == []
+    (f,) = gpu.check_driver(HOST, str(old))
+    assert f.reason is Reason.DRIVER_TOO_OLD and "cuCheckpointProcessLock" in f.evidence["missing"]
+    mig = copy.deepcopy(HOST)
+    mig["gpus"][0].update(mig_mode=True, persistence_mode=False)
+    assert reasons(gpu.check_driver(mig, str(full))) == {Reason.MIG_UNSUPPORTED, Reason.PERSISTENCE_MODE_OFF}
+    assert gpu.check_driver(None, None) == []
+
+
+def test_driver_struct_layout_matches_cuda_13_header() -> None:
+    ffi = FFI()
+    ffi.cdef(_CDEF)
+    for name in ("CUcheckpointLockArgs", "CUcheckpointCheckpointArgs", "CUcheckpointRestoreArgs",
+                 "CUcheckpointUnlockArgs"):
+        assert ffi.sizeof(name) == 64, name
+    assert ffi.offsetof("CUcheckpointRestoreArgs", "gpuPairsCount") == 8
+    assert ffi.offsetof("CUcheckpointRestoreArgs", "reserved1") == 56
+    assert ffi.sizeof("CUcheckpointGpuPair") == 32
+
+
+def test_uuid_bytes() -> None:
+    assert uuid_bytes("GPU-00112233-4455-6677-8899-aabbccddeeff") == bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "snapguard-cuda-checkpoint")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LD_LIBRARY_PATH": ""})
+
+
+def test_cli_contract_with_criu_plugin() -> None:
+    assert "--action" in cli("-h").stdout  # the plugin's capability probe
+    out = cli("--get-restore-tid", "--pid", "1")
+    # no driver here: a non-zero exit, which the plugin reads as "not a CUDA process"
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("cuda-checkpoint: cannot load the CUDA driver")
+    assert cli("--action", "lock").returncode == 2
+    bad = cli("--action", "restore", "--pid", "1", "--device-map", "GPU-a")
+    assert bad.returncode == 2 and "OLD_UUID=NEW_UUID" in bad.stderr
+    assert cli("--action", "freeze", "--pid", "1").returncode == 2
