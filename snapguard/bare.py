@@ -14,6 +14,7 @@ from ._config import Config
 from ._files import ensure_private_dir
 from .hooks import take
 from .preflight import gpu, host_checks, manifest_report, workload
+from .preflight import host as host_checks_module
 from .preflight._report import Report
 from .reasons import Finding, Reason, SnapguardError
 
@@ -45,11 +46,25 @@ def recover_cuda(pids: list[int]) -> dict[int, str]:
     return outcomes
 
 
-def _take(config: Config, pids: list[int], wait_s: float) -> tuple[dict[int, Any], list[Finding], float]:
+def _take(config: Config, pids: list[int], cuda_pids: list[int],
+          wait_s: float) -> tuple[dict[int, Any], list[Finding], float]:
+    """Hold the hooked processes at a step boundary: one process alone, or every rank of a job at
+    one common step. Several CUDA processes must be held together, or the snapshot is refused."""
     take_dir = os.path.join(config.state_dir, "take")
     t0 = time.monotonic()
+    hooked = take.trainers(take_dir, pids)
+    if len(cuda_pids) > 1 and set(cuda_pids) - set(hooked):
+        raise SnapguardError(Reason.COORDINATION_FAILED,
+                             f"CUDA processes {sorted(set(cuda_pids) - set(hooked))} run no take-point hook: "
+                             "ranks cannot be held at a common step", evidence={"cuda_pids": cuda_pids})
+    if len(hooked) > 1:
+        held, why = take.coordinated(take_dir, hooked, wait_s)
+        if why:
+            _release(config, list(held))
+            raise SnapguardError(Reason.COORDINATION_FAILED, why, evidence={"held": sorted(held), "ranks": hooked})
+        return held, [], time.monotonic() - t0
     figures, warnings = {}, []
-    for pid in pids:
+    for pid in hooked:
         got, warning = take.request(take_dir, pid, wait_s)
         if got:
             figures[pid] = got
@@ -66,21 +81,29 @@ def _release(config: Config, pids: list[int]) -> None:
 def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
                    tcp_established: bool = False, take_wait_s: float = 10.0) -> dict[str, Any]:
     t_start = time.monotonic()
-    inv = workload.inventory(workload.process_tree(pid))
+    tree = workload.process_tree(pid)
+    inv = workload.inventory(tree)
     report = Report(f"--pid {pid}")
     own_netns = workload.own_netns(pid)
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=own_netns)
-    workload.run_checks(report, inv, tcp_established)
+    workload.run_checks(report, inv, tcp_established,
+                        coordinated=take.hooked(os.path.join(config.state_dir, "take"), tree))
+    conns = workload.tree_tcp(inv) if tcp_established else []
+    # CRIU locks host-netns connections with iptables; connections between processes of the tree
+    # are frozen with it and need no lock (and GPU nodes often have no iptables).
+    network_lock = "skip" if workload.internal_only(conns) else None
+    if conns and not network_lock and not own_netns:
+        report.run("network-lock", host_checks_module.check_network_lock)
     report.raise_blockers()
     cuda_pids = [p.pid for p in inv.cuda_processes()]
     preflight_s = time.monotonic() - t_start
 
-    figures, warnings, take_s = _take(config, cuda_pids, take_wait_s)
+    figures, warnings, take_s = _take(config, [p.pid for p in inv.procs], cuda_pids, take_wait_s)
     held = list(figures)
     ensure_private_dir(images)
     t0 = time.monotonic()
     argv = criu.dump_argv(config.criu, pid, images, images, leave_running=leave_running,
-                          tcp_established=tcp_established, libdir=config.criu_libdir)
+                          tcp_established=tcp_established, libdir=config.criu_libdir, network_lock=network_lock)
     rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
     dump_s = time.monotonic() - t0
     if rc != 0:
@@ -108,6 +131,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
         "root_pid": pid,
         "bare": True,
         "own_netns": own_netns,
+        "network_lock": network_lock,
         "leave_running": leave_running,
         "criu_version": report.facts["criu_version"],
         "host": report.facts["host"],
@@ -125,9 +149,22 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     }
 
 
-def _pid_conflicts(manifest: dict[str, Any]) -> list[Finding]:
-    taken = [p["pid"] for p in manifest.get("processes", [])
-             if isinstance(p, dict) and isinstance(p.get("pid"), int) and os.path.exists(f"/proc/{p['pid']}")]
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
+    """Pids of the image in use here. The processes a stop snapshot killed may still be zombies
+    waiting for their new parent to reap them: those are given a few seconds to go."""
+    wanted = [p["pid"] for p in manifest.get("processes", []) if isinstance(p, dict) and isinstance(p.get("pid"), int)]
+    deadline = time.monotonic() + grace_s
+    while any(_zombie(p) for p in wanted) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    taken = [p for p in wanted if os.path.exists(f"/proc/{p}")]
     if not taken:
         return []
     return [Finding(Reason.PID_CONFLICT, f"pid(s) {', '.join(map(str, taken))} of the image are in use here",
@@ -147,7 +184,8 @@ def restore_images(images: str, config: Config, *, tcp_established: bool = False
         os.unlink(pidfile)
     t0 = time.monotonic()
     argv = criu.restore_argv(config.criu, images, images, pidfile, tcp_established=tcp_established,
-                             libdir=config.criu_libdir)
+                             libdir=config.criu_libdir,
+                             network_lock="skip" if manifest.get("network_lock") == "skip" else None)
     rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
     restore_s = time.monotonic() - t0
     if rc != 0:

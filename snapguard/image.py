@@ -161,6 +161,8 @@ def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
     flags = _require(cpu, "flags", list, image_dir)
     if not all(isinstance(f, str) and f.isprintable() and len(f) < 64 for f in flags):
         raise _invalid("manifest CPU flags are not short strings", image_dir)
+    if manifest.get("network_lock") not in (None, "skip"):
+        raise _invalid("manifest field `network_lock` must be null or \"skip\"", image_dir)
     if not isinstance(manifest.get("own_netns", False), bool):
         raise _invalid("manifest field `own_netns` is not a boolean", image_dir)
     if manifest.get("gpu") is not None:

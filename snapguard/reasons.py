@@ -114,6 +114,8 @@ class Reason(enum.Enum):
                                "check the pid; forked workers and NVML users have no context")
     GPU_IDENTITY_MISMATCH = _Meta("a GPU the image used is absent here and no device map covers it", R, True,
                                   "pass a device map or restore on a host with those GPUs")
+    COORDINATION_FAILED = _Meta("the ranks of a job could not be brought to one common step", C, True,
+                                "start every rank with snapguard's take-point hook; check no rank is stuck")
     TAKE_POINT_TIMEOUT = _Meta("the workload did not answer the take point in time", C, True,
                                "the snapshot went on with the allocator's whole reserve; check the hook is loaded")
 

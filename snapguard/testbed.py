@@ -14,12 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "build_counter_image", "expected_hash"]
+__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "DdpJob", "build_counter_image", "expected_hash"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
 BUSYBOX = "/bin/busybox"
@@ -242,3 +243,74 @@ class Containerd:
 
 def cleanup_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+DDP_LAUNCH = Path(__file__).resolve().parent.parent / "examples" / "ddp" / "launch.py"
+
+
+@dataclass
+class DdpJob:
+    """A run of examples/ddp (torch.distributed, gloo) whose ranks log their loss bits per step."""
+
+    out: Path
+    world: int
+    steps: int
+    device: str = "cpu"
+
+    def start(self, take_dir: str | None) -> subprocess.Popen[bytes]:
+        """Launch it; with take_dir, every process runs snapguard's take-point hook."""
+        from .hooks import site_dir
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        if take_dir:
+            env["PYTHONPATH"] = os.pathsep.join([site_dir(), str(DDP_LAUNCH.parent.parent.parent)])
+            env["SNAPGUARD_TAKE_DIR"] = take_dir
+        log = open(self.out / "launcher.out", "ab")
+        proc = subprocess.Popen([sys.executable, str(DDP_LAUNCH), "--world", str(self.world), "--out", str(self.out),
+                                 "--steps", str(self.steps), "--device", self.device],
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        return proc
+
+    def rows(self, rank: int) -> dict[int, list[str]]:
+        """{step: [loss bits, ...]}: a step logged twice (a restore went back) has two entries."""
+        got: dict[int, list[str]] = {}
+        try:
+            lines = (self.out / f"rank{rank}.log").read_text().splitlines()
+        except FileNotFoundError:
+            return got
+        for line in lines:
+            _, step, bits, _ = line.split()
+            got.setdefault(int(step), []).append(bits)
+        return got
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(max(self.rows(r), default=0) >= step for r in range(self.world)):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"job in {self.out} did not reach step {step}")
+
+    def results(self, timeout: float = 120) -> list[dict[str, str]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            paths = [self.out / f"rank{r}.result.json" for r in range(self.world)]
+            if all(p.exists() for p in paths):
+                return [json.loads(p.read_text()) for p in paths]
+            time.sleep(0.05)
+        raise TimeoutError(f"job in {self.out} did not finish")
+
+    def mismatches(self, reference: DdpJob) -> list[str]:
+        """Where this run differs from the reference: steps, loss bits, final digests."""
+        errors = []
+        if self.results() != reference.results():
+            errors.append("final digests differ")
+        for r in range(self.world):
+            want, got = reference.rows(r), self.rows(r)
+            if set(got) != set(want):
+                errors.append(f"rank {r}: steps {sorted(set(want) ^ set(got))[:5]} differ")
+            errors += [f"rank {r} step {s}: {bits} != {want.get(s)}" for s, bits in sorted(got.items())
+                       if set(bits) != set(want.get(s, []))][:5]
+        return errors

@@ -182,3 +182,12 @@ def test_maps_parsing_keeps_spaces_and_deleted_marker() -> None:
             "7f00-7f01 rw-s 00000000 00:01 5 /dev/shm/a b (deleted)\n"
             "7f02-7f03 rw-p 00000000 00:00 0 \n")
     assert workload.parse_maps(text) == {"/usr/bin/python3", "/dev/shm/a b (deleted)"}
+
+
+def test_tcp_between_processes_of_the_tree_needs_no_lock() -> None:
+    a = {"table": "tcp", "local": "0100007F:9C40", "remote": "0100007F:D431"}
+    b = {"table": "tcp", "local": "0100007F:D431", "remote": "0100007F:9C40"}
+    outside = {"table": "tcp", "local": "0100007F:D432", "remote": "0A000001:01BB"}
+    assert workload.internal_only([a, b])
+    assert not workload.internal_only([a, b, outside])
+    assert not workload.internal_only([])

@@ -176,7 +176,7 @@ def prepare_environment(config: Config, criu: str) -> dict[str, str]:
 
 
 def dump_argv(criu: str, pid: int, images: str, work: str, *, leave_running: bool, tcp_established: bool,
-              libdir: str) -> list[str]:
+              libdir: str, network_lock: str | None = None) -> list[str]:
     """`criu dump` of a bare process tree (snapguard checkpoint --pid)."""
     argv = [criu, "dump", "--tree", str(pid), "--images-dir", images, "--work-dir", work, "--log-file", "dump.log",
             "-v4", "--shell-job", "--libdir", libdir]
@@ -184,14 +184,18 @@ def dump_argv(criu: str, pid: int, images: str, work: str, *, leave_running: boo
         argv.append("--leave-running")
     if tcp_established:
         argv.append("--tcp-established")
+    if network_lock:
+        argv += ["--network-lock", network_lock]
     return argv
 
 
 def restore_argv(criu: str, images: str, work: str, pidfile: str, *, tcp_established: bool,
-                 libdir: str) -> list[str]:
+                 libdir: str, network_lock: str | None = None) -> list[str]:
     """`criu restore` of a bare process tree, detached (snapguard restore --images)."""
     argv = [criu, "restore", "--images-dir", images, "--work-dir", work, "--log-file", "restore.log", "-v4",
             "--shell-job", "--restore-detached", "--pidfile", pidfile, "--libdir", libdir]
     if tcp_established:
         argv.append("--tcp-established")
+    if network_lock:
+        argv += ["--network-lock", network_lock]
     return argv

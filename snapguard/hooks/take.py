@@ -10,7 +10,7 @@ from typing import Any
 from ..reasons import Finding, Reason, Severity
 from . import socket_path
 
-__all__ = ["request", "release"]
+__all__ = ["coordinated", "hooked", "request", "release", "status", "trainers"]
 
 
 def _ask(path: str, line: str, timeout: float) -> dict[str, Any]:
@@ -41,6 +41,60 @@ def request(take_dir: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | No
     return None, Finding(Reason.TAKE_POINT_TIMEOUT,
                          f"pid {pid} did not reach a step boundary within {wait_s:g} s ({reply.get('error')})",
                          Severity.WARNING, {"pid": pid})
+
+
+def hooked(take_dir: str, pids: list[int]) -> list[int]:
+    """The pids that run the take-point hook (have a socket)."""
+    return [p for p in pids if os.path.exists(socket_path(take_dir, p))]
+
+
+def trainers(take_dir: str, pids: list[int]) -> list[int]:
+    """The hooked pids that train (their step hook is registered); a launcher that runs the hook
+    but no optimizer is not one to wait for."""
+    found = []
+    for pid in hooked(take_dir, pids):
+        try:
+            if status(take_dir, pid).get("trainer"):
+                found.append(pid)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def status(take_dir: str, pid: int, timeout: float = 5.0) -> dict[str, Any]:
+    return _ask(socket_path(take_dir, pid), "status\n", timeout)
+
+
+def coordinated(take_dir: str, pids: list[int], wait_s: float) -> tuple[dict[int, Any], str | None]:
+    """Bring every rank to the end of one common optimizer step and hold them all there.
+
+    The step is two past the furthest rank's: a rank that finishes its step while the request is
+    on its way still stops at the common one, and none is left inside a collective that waits for
+    a held peer. Returns ({pid: figures}, None), or ({pid: figures of those held}, why not).
+    """
+    import threading
+
+    try:
+        steps = {pid: int(status(take_dir, pid)["step"]) for pid in pids}
+    except (OSError, ValueError, KeyError) as e:
+        return {}, f"status: {e}"
+    target = max(steps.values()) + 2
+    replies: dict[int, dict[str, Any]] = {}
+
+    def ask(pid: int) -> None:
+        try:
+            replies[pid] = _ask(socket_path(take_dir, pid), f"take-at {target} {wait_s}\n", wait_s + 5)
+        except (OSError, ValueError) as e:
+            replies[pid] = {"ok": False, "error": str(e)}
+
+    threads = [threading.Thread(target=ask, args=(pid,)) for pid in pids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    held = {pid: r for pid, r in replies.items() if r.get("ok")}
+    failed = {pid: r.get("error") for pid, r in replies.items() if not r.get("ok")}
+    return held, (f"step {target}: {failed}" if failed else None)
 
 
 def release(take_dir: str, pid: int, timeout: float = 10.0) -> bool:

@@ -236,7 +236,9 @@ def check_stray_gpu_handles(inv: Inventory) -> list[Finding]:
     return findings
 
 
-def check_multi_cuda(inv: Inventory) -> list[Finding]:
+def check_multi_cuda(inv: Inventory, coordinated: list[int] = ()) -> list[Finding]:
+    """NCCL communicators cannot be checkpointed; several CUDA processes only when every one runs
+    the take-point hook, so that all are held at one common step before any is locked."""
     cuda = inv.cuda_processes()
     nccl = [p for p in cuda if p.nccl_in_use]
     if nccl:
@@ -244,10 +246,10 @@ def check_multi_cuda(inv: Inventory) -> list[Finding]:
         return [Finding(Reason.NCCL_UNSUPPORTED,
                         f"pid {p.pid} ({p.comm}) has an NCCL communicator: locking one rank hangs its peers",
                         evidence={"pids": [q.pid for q in nccl]})]
-    if len(cuda) > 1:
+    if len(cuda) > 1 and not {p.pid for p in cuda} <= set(coordinated):
         return [Finding(Reason.NCCL_UNSUPPORTED,
                         f"{len(cuda)} CUDA processes ({', '.join(str(p.pid) for p in cuda)}) "
-                        "cannot be locked as one",
+                        "cannot be locked as one: not all run the take-point hook",
                         evidence={"pids": [p.pid for p in cuda]})]
     return []
 
@@ -288,6 +290,22 @@ def established_tcp(pid: int, inodes: set[int], proc: str) -> list[dict[str, Any
             if len(cols) > 9 and cols[3] == "01" and int(cols[9]) in inodes:
                 found.append({"inode": int(cols[9]), "local": cols[1], "remote": cols[2], "table": table})
     return found
+
+
+def tree_tcp(inv: Inventory, proc: str = _host.PROC) -> list[dict[str, Any]]:
+    """Every established TCP connection of the tree, with its pid."""
+    conns = []
+    for p in inv.procs:
+        inodes = {int(m.group(1)) for t in p.fd_targets.values() if (m := SOCKET.match(t))}
+        conns += [{"pid": p.pid, **c} for c in (established_tcp(p.pid, inodes, proc) if inodes else [])]
+    return conns
+
+
+def internal_only(conns: list[dict[str, Any]]) -> bool:
+    """Both ends of every connection are in the tree: frozen together, nothing outside can send
+    into them, so CRIU's network lock (iptables rules on the host) is not needed."""
+    ends = {(c["table"], c["local"]) for c in conns}
+    return bool(conns) and all((c["table"], c["remote"]) in ends for c in conns)
 
 
 def check_tcp(inv: Inventory, tcp_established: bool, proc: str = _host.PROC) -> list[Finding]:
@@ -387,10 +405,12 @@ def check_host_memory(inv: Inventory, proc: str = _host.PROC) -> list[Finding]:
     return findings
 
 
-def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, proc: str = _host.PROC) -> None:
+def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, proc: str = _host.PROC,
+               coordinated: list[int] = ()) -> None:
+    """All workload checks; `coordinated`: pids that run the take-point hook."""
     report.facts["processes"] = inv.summary()
     report.run("stray-gpu-handles", lambda: check_stray_gpu_handles(inv))
-    report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv))
+    report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv, coordinated))
     report.run("mps", lambda: check_mps(inv))
     report.run("io-uring", lambda: check_io_uring(inv))
     report.run("rdma", lambda: check_rdma(inv))
