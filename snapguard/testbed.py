@@ -256,6 +256,7 @@ class DdpJob:
     world: int
     steps: int
     device: str = "cpu"
+    backend: str = "gloo"
 
     def start(self, take_dir: str | None) -> subprocess.Popen[bytes]:
         """Launch it; with take_dir, every process runs snapguard's take-point hook."""
@@ -268,7 +269,7 @@ class DdpJob:
             env["SNAPGUARD_TAKE_DIR"] = take_dir
         log = open(self.out / "launcher.out", "ab")
         proc = subprocess.Popen([sys.executable, str(DDP_LAUNCH), "--world", str(self.world), "--out", str(self.out),
-                                 "--steps", str(self.steps), "--device", self.device],
+                                 "--steps", str(self.steps), "--device", self.device, "--backend", self.backend],
                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         return proc

@@ -1,6 +1,7 @@
-"""Issue 5 on the single lent GPU: 2 ranks sharing GPU 0 (torch.distributed with gloo), held at one
-common step by the take point, locked and checkpointed together by CRIU's CUDA plugin as one tree,
-restored, and compared bit for bit with an uninterrupted reference run."""
+"""Issue 5 on the lent GPUs: 2 ranks (torch.distributed with gloo; on one GPU they share it, on two
+each has its own), held at one common step by the take point, locked and checkpointed together by
+CRIU's CUDA plugin as one tree, restored, and compared bit for bit with an uninterrupted reference
+run. With --nccl also a 2-rank NCCL job, which preflight must refuse with NCCL_UNSUPPORTED."""
 
 from __future__ import annotations
 
@@ -21,7 +22,21 @@ def main() -> int:
     take_dir = f"{config.state_dir}/take"
     ref = DdpJob(base / "reference", 2, 60, device="cuda")
     ref.start(None).wait(timeout=300)
-    report: dict = {"reference_results": ref.results()}
+    import torch
+
+    report: dict = {"gpus": torch.cuda.device_count(), "reference_results": ref.results()}
+    if "--nccl" in sys.argv:
+        from snapguard.preflight import pid_report
+
+        nccl = DdpJob(base / "nccl", 2, 400, device="cuda", backend="nccl")
+        launcher = nccl.start(take_dir)
+        try:
+            nccl.wait_step(5)
+            pre = pid_report(launcher.pid, config, tcp_established=True)
+            report["nccl"] = {"verdict": pre.verdict, "blockers": [b.to_dict() for b in pre.blockers]}
+        finally:
+            subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
+        print("nccl", json.dumps(report["nccl"], default=str), flush=True)
     for leave_running in (True, False):
         name = "leave-running" if leave_running else "stop-restore"
         job = DdpJob(base / name, 2, 60, device="cuda")
@@ -44,10 +59,12 @@ def main() -> int:
             subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
         report[name] = arm
         print(name, json.dumps(arm, default=str), flush=True)
-    (out / "ranks.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / f"ranks-{report['gpus']}gpu.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     ok = all(report[a].get("bit_identical") and len(report[a].get("cuda_pids", [])) == 2
              for a in ("leave-running", "stop-restore"))
-    print("two ranks on one GPU:", "PASS" if ok else "FAIL")
+    if "nccl" in report:
+        ok = ok and any(b["reason"] == "NCCL_UNSUPPORTED" for b in report["nccl"]["blockers"])
+    print(f"two ranks on {report['gpus']} GPU(s):", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
