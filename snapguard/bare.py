@@ -52,7 +52,7 @@ def _take(config: Config, pids: list[int], cuda_pids: list[int],
     one common step. Several CUDA processes must be held together, or the snapshot is refused."""
     take_dir = os.path.join(config.state_dir, "take")
     t0 = time.monotonic()
-    hooked = take.trainers(take_dir, pids)
+    hooked = list(take.trainers(take_dir, pids))
     if len(cuda_pids) > 1 and set(cuda_pids) - set(hooked):
         raise SnapguardError(Reason.COORDINATION_FAILED,
                              f"CUDA processes {sorted(set(cuda_pids) - set(hooked))} run no take-point hook: "
@@ -87,7 +87,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     own_netns = workload.own_netns(pid)
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=own_netns)
     workload.run_checks(report, inv, tcp_established,
-                        coordinated=take.hooked(os.path.join(config.state_dir, "take"), tree))
+                        trainers=take.trainers(os.path.join(config.state_dir, "take"), tree))
     conns = workload.tree_tcp(inv) if tcp_established else []
     # CRIU locks host-netns connections with iptables; connections between processes of the tree
     # are frozen with it and need no lock (and GPU nodes often have no iptables).

@@ -191,3 +191,10 @@ def test_tcp_between_processes_of_the_tree_needs_no_lock() -> None:
     assert workload.internal_only([a, b])
     assert not workload.internal_only([a, b, outside])
     assert not workload.internal_only([])
+
+
+def test_nccl_group_reported_by_the_take_point(gpu_proc: Path) -> None:
+    inv = workload.inventory([100], proc=str(gpu_proc), use_nvml=False)
+    assert workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": False}}) == []
+    (f,) = workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": True}})
+    assert f.reason is Reason.NCCL_UNSUPPORTED and "cannot checkpoint" in f.detail

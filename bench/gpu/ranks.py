@@ -20,11 +20,13 @@ def main() -> int:
     out, base = Path(sys.argv[1]), Path(f"/tmp/ranks-{int(time.time())}")
     config = load()
     take_dir = f"{config.state_dir}/take"
-    ref = DdpJob(base / "reference", 2, 60, device="cuda")
-    ref.start(None).wait(timeout=300)
     import torch
 
-    report: dict = {"gpus": torch.cuda.device_count(), "reference_results": ref.results()}
+    ref = DdpJob(base / "reference", 2, 60, device="cuda")
+    report: dict = {"gpus": torch.cuda.device_count()}
+    if "--nccl-only" not in sys.argv:
+        ref.start(None).wait(timeout=300)
+        report["reference_results"] = ref.results()
     if "--nccl" in sys.argv:
         from snapguard.preflight import pid_report
 
@@ -34,10 +36,19 @@ def main() -> int:
             nccl.wait_step(5)
             pre = pid_report(launcher.pid, config, tcp_established=True)
             report["nccl"] = {"verdict": pre.verdict, "blockers": [b.to_dict() for b in pre.blockers]}
+            try:  # the executor refuses it before anything is frozen, and the job trains on
+                checkpoint_pid(launcher.pid, str(base / "nccl.img"), config, leave_running=True,
+                               tcp_established=True)
+                report["nccl"]["checkpoint"] = "not refused"
+            except Exception as e:
+                report["nccl"]["checkpoint"] = str(e)
+            n = max(nccl.rows(0))
+            nccl.wait_step(n + 5)
+            report["nccl"]["still_training"] = True
         finally:
             subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
         print("nccl", json.dumps(report["nccl"], default=str), flush=True)
-    for leave_running in (True, False):
+    for leave_running in (() if "--nccl-only" in sys.argv else (True, False)):
         name = "leave-running" if leave_running else "stop-restore"
         job = DdpJob(base / name, 2, 60, device="cuda")
         launcher = job.start(take_dir)
@@ -59,9 +70,10 @@ def main() -> int:
             subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
         report[name] = arm
         print(name, json.dumps(arm, default=str), flush=True)
-    (out / f"ranks-{report['gpus']}gpu.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    suffix = "-nccl" if "--nccl-only" in sys.argv else ""
+    (out / f"ranks-{report['gpus']}gpu{suffix}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     ok = all(report[a].get("bit_identical") and len(report[a].get("cuda_pids", [])) == 2
-             for a in ("leave-running", "stop-restore"))
+             for a in ("leave-running", "stop-restore") if a in report)
     if "nccl" in report:
         ok = ok and any(b["reason"] == "NCCL_UNSUPPORTED" for b in report["nccl"]["blockers"])
     print(f"two ranks on {report['gpus']} GPU(s):", "PASS" if ok else "FAIL")

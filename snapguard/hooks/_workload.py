@@ -110,9 +110,24 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _nccl_groups() -> bool:
+    """Whether this process has an NCCL process group (cuda-checkpoint cannot checkpoint NCCL
+    communicators, and procfs does not always show them)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        return any("nccl" in str(entry[0]).lower() for entry in _world.pg_map.values())
+    except Exception:  # private API moved: ask the default group
+        return "nccl" in str(dist.get_backend()).lower()
+
+
 def _answer(point: _TakePoint, words: list[str]) -> dict[str, Any]:
     if words[0] == "status":
-        return {"ok": True, "step": point.step, "trainer": point.trainer, "pid": os.getpid()}
+        return {"ok": True, "step": point.step, "trainer": point.trainer, "nccl": _nccl_groups(),
+                "pid": os.getpid()}
     if words[0] in ("take", "take-at"):
         at = int(words[1]) if words[0] == "take-at" else None
         wait = float(words[-1]) if len(words) > (2 if at is not None else 1) else 10.0

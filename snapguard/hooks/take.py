@@ -48,16 +48,17 @@ def hooked(take_dir: str, pids: list[int]) -> list[int]:
     return [p for p in pids if os.path.exists(socket_path(take_dir, p))]
 
 
-def trainers(take_dir: str, pids: list[int]) -> list[int]:
-    """The hooked pids that train (their step hook is registered); a launcher that runs the hook
-    but no optimizer is not one to wait for."""
-    found = []
+def trainers(take_dir: str, pids: list[int]) -> dict[int, dict[str, Any]]:
+    """{pid: status} of the hooked pids that train (their step hook is registered); a launcher
+    that runs the hook but no optimizer is not one to wait for."""
+    found = {}
     for pid in hooked(take_dir, pids):
         try:
-            if status(take_dir, pid).get("trainer"):
-                found.append(pid)
+            st = status(take_dir, pid)
         except (OSError, ValueError):
-            pass
+            continue
+        if st.get("trainer"):
+            found[pid] = st
     return found
 
 

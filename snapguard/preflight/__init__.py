@@ -54,7 +54,10 @@ def pid_report(pid: int, config: Config, tcp_established: bool = False) -> Repor
         report.checks.append(CheckResult("process-tree", error=e.failure.detail))
         return report
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
-    workload.run_checks(report, inv, tcp_established)
+    from ..hooks import take
+
+    trainers = take.trainers(os.path.join(config.state_dir, "take"), [p.pid for p in inv.procs])
+    workload.run_checks(report, inv, tcp_established, trainers=trainers)
     return report
 
 

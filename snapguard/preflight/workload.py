@@ -236,17 +236,22 @@ def check_stray_gpu_handles(inv: Inventory) -> list[Finding]:
     return findings
 
 
-def check_multi_cuda(inv: Inventory, coordinated: list[int] = ()) -> list[Finding]:
+def check_multi_cuda(inv: Inventory, trainers: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
     """NCCL communicators cannot be checkpointed; several CUDA processes only when every one runs
-    the take-point hook, so that all are held at one common step before any is locked."""
+    the take-point hook, so that all are held at one common step before any is locked.
+    `trainers`: the take-point status of the processes that run the hook; it says whether a
+    process has an NCCL process group, which procfs does not always show."""
+    trainers = trainers or {}
+    coordinated = set(trainers)
     cuda = inv.cuda_processes()
-    nccl = [p for p in cuda if p.nccl_in_use]
+    nccl = [p for p in cuda if p.nccl_in_use or trainers.get(p.pid, {}).get("nccl")]
     if nccl:
         p = nccl[0]
         return [Finding(Reason.NCCL_UNSUPPORTED,
-                        f"pid {p.pid} ({p.comm}) has an NCCL communicator: locking one rank hangs its peers",
+                        f"pid {p.pid} ({p.comm}) has an NCCL communicator, which cuda-checkpoint cannot "
+                        "checkpoint (locking one rank hangs its peers)",
                         evidence={"pids": [q.pid for q in nccl]})]
-    if len(cuda) > 1 and not {p.pid for p in cuda} <= set(coordinated):
+    if len(cuda) > 1 and not {p.pid for p in cuda} <= coordinated:
         return [Finding(Reason.NCCL_UNSUPPORTED,
                         f"{len(cuda)} CUDA processes ({', '.join(str(p.pid) for p in cuda)}) "
                         "cannot be locked as one: not all run the take-point hook",
@@ -406,11 +411,11 @@ def check_host_memory(inv: Inventory, proc: str = _host.PROC) -> list[Finding]:
 
 
 def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, proc: str = _host.PROC,
-               coordinated: list[int] = ()) -> None:
-    """All workload checks; `coordinated`: pids that run the take-point hook."""
+               trainers: dict[int, dict[str, Any]] | None = None) -> None:
+    """All workload checks; `trainers`: take-point status of the pids that run the hook."""
     report.facts["processes"] = inv.summary()
     report.run("stray-gpu-handles", lambda: check_stray_gpu_handles(inv))
-    report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv, coordinated))
+    report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv, trainers))
     report.run("mps", lambda: check_mps(inv))
     report.run("io-uring", lambda: check_io_uring(inv))
     report.run("rdma", lambda: check_rdma(inv))
