@@ -88,3 +88,20 @@ def test_established_tcp_without_flag_is_refused(config, tmp_path: Path) -> None
         job.wait_step(max(job.rows(0)) + 3)  # untouched: still training
     finally:
         subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
+
+
+def test_single_trainer_take_point_holds_and_releases(config, tmp_path: Path) -> None:
+    """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go."""
+    ref = DdpJob(tmp_path / "ref", 1, 20)
+    assert ref.start(None).wait(timeout=300) == 0
+    job = DdpJob(tmp_path / "job", 1, 20)
+    launcher = job.start(take_dir(config))
+    try:
+        job.wait_step(5)
+        result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=True,
+                                tcp_established=True)
+        (figures,) = result["take_point"].values()
+        assert figures["ok"] and figures["step"] >= 6
+        assert job.mismatches(ref) == []
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)

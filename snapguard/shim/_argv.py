@@ -81,6 +81,15 @@ def _flag_name(token: str) -> tuple[str, str | None] | None:
     return name, None
 
 
+def _flag_value(args: list[str], i: int, name: str, inline: str | None, where: str) -> tuple[str, int]:
+    """The value of the value flag at args[i]: written inline (`--f=v`) or as the next token."""
+    if inline is not None:
+        return inline, i
+    if i + 1 >= len(args):
+        raise ArgvError(f"{where}flag needs an argument: -{name}")
+    return args[i + 1], i + 1
+
+
 def split_global(args: list[str]) -> GlobalOptions:
     """Parse the global flags in args (argv without argv[0]) up to the subcommand."""
     opts = GlobalOptions()
@@ -93,11 +102,7 @@ def split_global(args: list[str]) -> GlobalOptions:
             return opts
         name, value = parsed
         if name in GLOBAL_VALUE_FLAGS:
-            if value is None:
-                i += 1
-                if i >= len(args):
-                    raise ArgvError(f"flag needs an argument: -{name}")
-                value = args[i]
+            value, i = _flag_value(args, i, name, value, "")
             opts.values[name] = value
         elif name in GLOBAL_BOOL_FLAGS:
             opts.bools.add(name)
@@ -152,11 +157,7 @@ def parse_subcommand(subcommand: str, args: list[str]) -> SubcommandArgs:
         name, value = flag
         canonical = _ALIASES.get(name, name)
         if name in value_flags:
-            if value is None:
-                i += 1
-                if i >= len(args):
-                    raise ArgvError(f"{subcommand}: flag needs an argument: -{name}")
-                value = args[i]
+            value, i = _flag_value(args, i, name, value, f"{subcommand}: ")
             if canonical == "empty-ns":
                 parsed.multi.setdefault(canonical, []).append(value)
             parsed.values[canonical] = value
