@@ -97,3 +97,25 @@ def test_incomplete_image_refused(snapguard_runc: str, tmp_path: Path) -> None:
                          timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "snapguard IMAGE_INCOMPLETE: " in out.stderr
+
+
+def test_preflight_of_a_running_container(containerd: Containerd, snapguard_runc: str, clean_config: Path,
+                                          tmp_path: Path) -> None:
+    import os
+    import sys
+
+    containerd.run_counter("t-pre", str(tmp_path / "out"), snapguard_runc)
+    try:
+        CounterLog(tmp_path / "out" / "counter.log").wait_for(3)
+        exe = os.path.join(os.path.dirname(sys.executable), "snapguard")
+        out = subprocess.run([exe, "preflight", "--container", "t-pre", "--root", containerd.runc_root, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        report = json.loads(out.stdout)
+        assert out.returncode == 0, report["blockers"]
+        assert report["target"] == "--container t-pre"
+        assert {p["comm"] for p in report["facts"]["processes"]} >= {"sh"}
+        missing = subprocess.run([exe, "preflight", "--container", "no-such", "--root", containerd.runc_root],
+                                 capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2 and "runc-state" in missing.stdout
+    finally:
+        containerd.remove("t-pre")

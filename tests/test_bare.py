@@ -1,0 +1,119 @@
+"""`snapguard checkpoint --pid` / `snapguard restore --images` on real processes with real CRIU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from snapguard import image
+from snapguard.testbed import MODULUS, expected_hash
+
+COUNTER = """
+import sys, time
+i = h = 0
+while True:
+    i += 1
+    h = (h * 31 + i) % 1000000007
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{i} {h}\\n")
+    time.sleep(0.01)
+"""
+
+
+def snapguard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "snapguard")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+
+
+def values(log: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 2]
+
+
+def wait_lines(log: Path, n: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and len(values(log)) >= n:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"{log} has fewer than {n} lines")
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+
+
+@pytest.fixture
+def counter(tmp_path: Path):
+    log = tmp_path / "counter.log"
+    proc = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_lines(log, 10)
+    yield proc, log
+    proc.kill()
+    proc.wait()
+
+
+def test_leave_running_then_stop_and_restore(counter, env: dict[str, str], tmp_path: Path) -> None:
+    proc, log = counter
+    images = tmp_path / "img"
+    out = snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(images), "--leave-running", "--json",
+                    env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["image_bytes"] > 0 and result["leave_running"]
+    n = len(values(log))
+    wait_lines(log, n + 5)  # still running
+    assert (images / image.MARKER_NAME).exists()
+    assert (os.stat(images).st_mode & 0o777) == 0o700
+
+    # the original still holds its pid: refused before CRIU runs
+    busy = snapguard("restore", "--images", str(images), env=env)
+    assert busy.returncode == 1 and busy.stderr.startswith("snapguard PID_CONFLICT: ")
+
+    stop = tmp_path / "stop"
+    out = snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(stop), env=env)
+    assert out.returncode == 0, out.stderr
+    proc.wait(timeout=10)
+    last = values(log)[-1][0]
+    log.rename(tmp_path / "before.log")
+    out = snapguard("restore", "--images", str(stop), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    restored = json.loads(out.stdout)["pid"]
+    try:
+        wait_lines(log, 5)
+        first = values(log)[0]
+        assert first == (last + 1, expected_hash(last + 1))  # exactly where it stopped
+        assert all(b == (a[0] + 1, (a[1] * 31 + a[0] + 1) % MODULUS) for a, b in zip(values(log), values(log)[1:]))
+    finally:
+        subprocess.run(["kill", "-9", str(restored)], check=False)
+
+
+def test_corrupt_image_refused_with_json_record(counter, env: dict[str, str], tmp_path: Path) -> None:
+    proc, _ = counter
+    images = tmp_path / "img"
+    assert snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(images), "--leave-running",
+                     env=env).returncode == 0
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[-1] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    out = snapguard("restore", "--images", str(images), "--json", env=env)
+    assert out.returncode == 1 and out.stderr.startswith("snapguard IMAGE_CORRUPT: ")
+    record = json.loads(out.stdout)
+    assert record["reason"] == "IMAGE_CORRUPT" and record["phase"] == "restore"
+    assert not (images / "restore.log").exists()
+
+
+def test_missing_pid_is_typed(env: dict[str, str], tmp_path: Path) -> None:
+    out = snapguard("checkpoint", "--pid", str(2**22 + 11), "--images", str(tmp_path / "i"), env=env)
+    assert out.returncode == 1 and out.stderr.startswith("snapguard PROCESS_NOT_FOUND: ")
+    assert "Traceback" not in out.stderr and not (tmp_path / "i").exists()
