@@ -21,8 +21,26 @@ from .reasons import Finding, Reason, SnapguardError
 __all__ = ["checkpoint_pid", "restore_images", "recover_cuda"]
 
 
-def _env(config: Config) -> dict[str, str]:
-    return criu.prepare_environment(config, config.criu)
+def _env(config: Config, device_map: list[tuple[str, str]] | None = None) -> dict[str, str]:
+    return criu.prepare_environment(config, config.criu, device_map)
+
+
+def _device_map(report: Report, config: Config) -> list[tuple[str, str]] | None:
+    """The GPU remapping a restore needs, checked to be one the cuda-checkpoint in use applies."""
+    from ._config import resolve_cuda_checkpoint
+
+    pairs = next((f.evidence["device_map"] for f in report.findings
+                  if f.reason is Reason.GPU_IDENTITY_MISMATCH and "device_map" in f.evidence), None)
+    if not pairs:
+        return None
+    tool = resolve_cuda_checkpoint(config)
+    helps = subprocess.run([tool, "-h"], capture_output=True, text=True, timeout=30, check=False).stdout if tool else ""
+    if "SNAPGUARD_DEVICE_MAP" not in helps:
+        raise SnapguardError(Reason.GPU_IDENTITY_MISMATCH,
+                             f"the image's GPUs are not here and {tool} cannot take a device map from CRIU's "
+                             "plugin; install snapguard-cuda-checkpoint at the pinned path",
+                             evidence={"device_map": pairs, "cuda_checkpoint": tool})
+    return [(old, new) for old, new in pairs]
 
 
 def recover_cuda(pids: list[int]) -> dict[int, str]:
@@ -186,7 +204,8 @@ def restore_images(images: str, config: Config, *, tcp_established: bool = False
     argv = criu.restore_argv(config.criu, images, images, pidfile, tcp_established=tcp_established,
                              libdir=config.criu_libdir,
                              network_lock="skip" if manifest.get("network_lock") == "skip" else None)
-    rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
+    rc = subprocess.run(argv, env=_env(config, _device_map(report, config)), stdin=subprocess.DEVNULL,
+                        check=False).returncode
     restore_s = time.monotonic() - t0
     if rc != 0:
         errors = criu.read_log_errors(os.path.join(images, "restore.log"))

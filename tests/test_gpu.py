@@ -130,3 +130,25 @@ def test_cli_contract_with_criu_plugin() -> None:
     bad = cli("--action", "restore", "--pid", "1", "--device-map", "GPU-a")
     assert bad.returncode == 2 and "OLD_UUID=NEW_UUID" in bad.stderr
     assert cli("--action", "freeze", "--pid", "1").returncode == 2
+
+
+def test_device_map_from_environment_is_parsed() -> None:
+    """CRIU's plugin passes no --device-map: snapguard's cuda-checkpoint takes it from its environment."""
+    exe = os.path.join(os.path.dirname(sys.executable), "snapguard-cuda-checkpoint")
+    bad = subprocess.run([exe, "--action", "restore", "--pid", "1"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SNAPGUARD_DEVICE_MAP": "GPU-a"})
+    assert bad.returncode == 2 and "SNAPGUARD_DEVICE_MAP" in bad.stderr
+    good = subprocess.run([exe, "--action", "restore", "--pid", "1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SNAPGUARD_DEVICE_MAP": "GPU-a=GPU-b", "LD_LIBRARY_PATH": ""})
+    assert good.returncode == 1 and "cannot load the CUDA driver" in good.stderr  # parsed, then no driver here
+    assert "SNAPGUARD_DEVICE_MAP" in subprocess.run([exe, "-h"], capture_output=True, text=True).stdout
+
+
+def test_criu_environment_carries_the_device_map(tmp_path: Path) -> None:
+    from snapguard import criu
+    from snapguard._config import load
+
+    cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path), "SNAPGUARD_CONFIG": os.devnull})
+    env = criu.prepare_environment(cfg, "/usr/local/sbin/criu", [("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")])
+    assert env["SNAPGUARD_DEVICE_MAP"] == "GPU-a=GPU-b,GPU-c=GPU-d"
+    assert "SNAPGUARD_DEVICE_MAP" not in criu.prepare_environment(cfg, "/usr/local/sbin/criu")

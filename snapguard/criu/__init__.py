@@ -146,7 +146,7 @@ def read_log_errors(path: str, limit: int = 3) -> list[CriuLogError]:
         return []
 
 
-def prepare_environment(config: Config, criu: str) -> dict[str, str]:
+def prepare_environment(config: Config, criu: str, device_map: list[tuple[str, str]] | None = None) -> dict[str, str]:
     """The environment runc (and through it CRIU and its CUDA plugin) runs in.
 
     Builds `<state_dir>/bin`, root-only, holding links to the pinned criu and cuda-checkpoint,
@@ -172,6 +172,10 @@ def prepare_environment(config: Config, criu: str) -> dict[str, str]:
         "CRIU_LIBS_DIR": config.criu_libdir,
         "CRIU_CONFIG_FILE": criu_conf,
     })
+    env.pop("SNAPGUARD_DEVICE_MAP", None)
+    if device_map:
+        # CRIU's plugin runs `cuda-checkpoint --action restore` with no map; snapguard's reads this
+        env["SNAPGUARD_DEVICE_MAP"] = ",".join(f"{old}={new}" for old, new in device_map)
     return env
 
 

@@ -8,6 +8,7 @@ thread id, and a non-zero exit means "not a CUDA process" or failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -28,6 +29,9 @@ Toggles the state of CUDA within a process between suspended and running.
         checkpointed GPU.
     --help, -h
         Print this help.
+
+When CRIU's CUDA plugin runs it, a device map also comes from SNAPGUARD_DEVICE_MAP (same format),
+which snapguard sets for a restore onto other GPUs of the same model: the plugin passes none.
 """
 
 ACTIONS = ("lock", "checkpoint", "restore", "unlock")
@@ -69,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pid is None:
         p.error("--pid is required")
+    if args.device_map is None and os.environ.get("SNAPGUARD_DEVICE_MAP"):
+        try:
+            args.device_map = _device_map(os.environ["SNAPGUARD_DEVICE_MAP"])
+        except argparse.ArgumentTypeError as e:
+            p.error(f"SNAPGUARD_DEVICE_MAP: {e}")
     try:
         driver = load()
         if args.get_state:
