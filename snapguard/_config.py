@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 import stat
 
+TYPE_CHECKING = False  # typing is not imported at run time: this module is on the pass-through path
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 __all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary", "resolve_cuda_checkpoint"]
 
 DEFAULT_CONFIG_PATH = "/etc/snapguard/config.toml"
@@ -87,7 +91,7 @@ def _read_file(path: str) -> dict[str, object]:
     return data
 
 
-def load(environ: dict[str, str] | None = None) -> Config:
+def load(environ: Mapping[str, str] | None = None) -> Config:
     """Defaults, then the config file, then environment overrides; every path must be absolute."""
     env = os.environ if environ is None else environ
     path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
@@ -140,8 +144,8 @@ def check_pinned_binary(path: str, what: str) -> str | None:
     return None
 
 
-def _cache_path(env: dict[str, str] | os._Environ[str]) -> str:
-    return os.path.join(env.get("SNAPGUARD_STATE_DIR") or DEFAULTS["state_dir"], "runc-path.cache")  # type: ignore[arg-type]
+def _cache_path(env: Mapping[str, str]) -> str:
+    return os.path.join(env.get("SNAPGUARD_STATE_DIR") or str(DEFAULTS["state_dir"]), "runc-path.cache")
 
 
 def _config_stamp(path: str) -> str | None:
@@ -178,7 +182,7 @@ def _remember_runc(cache: str, stamp: str, runc: str) -> None:
         pass  # a cache that cannot be written only costs the next call a parse
 
 
-def pinned_runc(environ: dict[str, str] | None = None) -> str:
+def pinned_runc(environ: Mapping[str, str] | None = None) -> str:
     """The real runc's path, for the pass-through path: the cheapest source first.
 
     Parsing TOML costs more than runc itself takes to answer `state`, so the path read from the

@@ -106,9 +106,9 @@ def _cmd_reasons(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        width = max(len(r["reason"]) for r in rows)
-        for r in rows:
-            print(f"{r['reason']:<{width}}  {r['phase']:<10}  {r['meaning']}")
+        width = max(len(r.name) for r in Reason)
+        for r in Reason:
+            print(f"{r.name:<{width}}  {r.phase.value:<10}  {r.meaning}")
     return 0
 
 

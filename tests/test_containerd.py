@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
-import pytest
 
 from snapguard.drill import drill_exit, drill_leave_running
 from snapguard.testbed import Containerd, CounterLog

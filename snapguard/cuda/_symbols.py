@@ -28,12 +28,13 @@ def libcuda_checkpoint_symbols(path: str) -> dict[str, bool]:
     """{symbol: exported} for the checkpoint API symbols; raises OSError or ValueError."""
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
 
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
             dynsym = elf.get_section_by_name(".dynsym")
-            if dynsym is None:
+            if not isinstance(dynsym, SymbolTableSection):
                 raise ValueError(f"{path} has no dynamic symbol table")
             exported = {s.name for s in dynsym.iter_symbols()
                         if s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["type"] == "STT_FUNC"}

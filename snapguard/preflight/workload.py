@@ -261,7 +261,7 @@ def check_multi_cuda(inv: Inventory, trainers: dict[int, dict[str, Any]] | None 
 
 def check_mps(inv: Inventory) -> list[Finding]:
     for p in inv.procs:
-        evidence = [k for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY") if k in p.env]
+        evidence: list[str] = [k for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY") if k in p.env]
         evidence += sorted(t for t in p.fd_targets.values() if "nvidia-mps" in t)
         if evidence and (p.nvidia_handles() or p.comm == "nvidia-cuda-mps"):
             return [Finding(Reason.MPS_UNSUPPORTED, f"pid {p.pid} ({p.comm}) uses CUDA MPS ({evidence[0]})",
