@@ -62,6 +62,22 @@ def test_two_rank_gloo_job_snapshot_at_common_step(leave_running: bool, config, 
         subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
 
 
+def test_four_rank_job_stop_and_restore(config, tmp_path: Path) -> None:
+    ref = DdpJob(tmp_path / "ref", 4, 20)
+    assert ref.start(None).wait(timeout=300) == 0
+    job = DdpJob(tmp_path / "job", 4, 20)
+    launcher = job.start(take_dir(config))
+    try:
+        job.wait_step(5)
+        result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, tcp_established=True)
+        assert len(result["take_point"]) == 4 and len({f["step"] for f in result["take_point"].values()}) == 1
+        launcher.wait(timeout=30)
+        restore_images(str(tmp_path / "img"), config, tcp_established=True)
+        assert job.mismatches(ref) == []
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
+
+
 def test_cpu_job_without_hook_is_dumped_as_one_tree(config, tmp_path: Path) -> None:
     """Ranks without the hook cannot be held at a common step. On the CPU one frozen tree is still
     consistent (CRIU freezes every rank and carries the socket queues), so it is allowed; with
