@@ -15,7 +15,8 @@ ffibuilder.set_source(
     # setuptools refuses absolute paths; the build runs from the repository root
     sources=[os.path.relpath(HERE / "procscan.c")],
     include_dirs=[os.path.relpath(HERE)],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-pthread"],
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@
  * is a full output buffer (-1, errno = ENOSPC), so the caller can retry with a larger one.
  *
  * Output: one record per match, "pid kind major:minor path\n", kind 'm' (mapping) or 'f' (fd
- * number after it: "pid f<N> major:minor path").
+ * number after it: "pid f<N> major:minor path"). The kernel's cost of generating maps dominates,
+ * and it is paid per CPU: the pids are split among `nthreads` threads, records kept in pid order.
  */
 #include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,7 +26,7 @@
 struct out_buf {
 	char *p;
 	size_t len, used;
-	int full;
+	int full; /* out of memory: the scan fails with ENOMEM */
 };
 
 static void emit(struct out_buf *o, int pid, const char *kind, unsigned maj, unsigned min, const char *path,
@@ -32,9 +34,20 @@ static void emit(struct out_buf *o, int pid, const char *kind, unsigned maj, uns
 {
 	char head[64];
 	int n = snprintf(head, sizeof(head), "%d %s %u:%u ", pid, kind, maj, min);
-	if (o->full || n < 0 || o->used + (size_t)n + pathlen + 1 > o->len) {
-		o->full = 1;
+	if (o->full || n < 0)
 		return;
+	size_t need = o->used + (size_t)n + pathlen + 1;
+	if (need > o->len) {
+		size_t len = o->len ? o->len : 65536;
+		while (len < need)
+			len *= 2;
+		char *p = realloc(o->p, len);
+		if (!p) {
+			o->full = 1;
+			return;
+		}
+		o->p = p;
+		o->len = len;
 	}
 	memcpy(o->p + o->used, head, (size_t)n);
 	o->used += (size_t)n;
@@ -165,17 +178,77 @@ static void scan_fds(struct out_buf *o, const char *proc, int pid, const char *c
 	closedir(d);
 }
 
-long sg_scan(const char *proc, const int *pids, int npids, const char *const *prefixes, int nprefixes,
-	     const unsigned *majors, int nmajors, char *out, size_t outlen)
+struct slice {
+	const char *proc;
+	const int *pids;
+	int npids;
+	const char *const *prefixes;
+	int nprefixes;
+	const unsigned *majors;
+	int nmajors;
+	struct out_buf out;
+};
+
+static void *scan_slice(void *arg)
 {
-	struct out_buf o = { out, outlen, 0, 0 };
-	for (int i = 0; i < npids; i++) {
-		scan_maps(&o, proc, pids[i], prefixes, nprefixes, majors, nmajors);
-		scan_fds(&o, proc, pids[i], prefixes, nprefixes, majors, nmajors);
-		if (o.full) {
-			errno = ENOSPC;
-			return -1;
-		}
+	struct slice *s = arg;
+	for (int i = 0; i < s->npids && !s->out.full; i++) {
+		scan_maps(&s->out, s->proc, s->pids[i], s->prefixes, s->nprefixes, s->majors, s->nmajors);
+		scan_fds(&s->out, s->proc, s->pids[i], s->prefixes, s->nprefixes, s->majors, s->nmajors);
 	}
-	return (long)o.used;
+	return NULL;
+}
+
+long sg_scan(const char *proc, const int *pids, int npids, const char *const *prefixes, int nprefixes,
+	     const unsigned *majors, int nmajors, int nthreads, char *out, size_t outlen)
+{
+	if (nthreads < 1)
+		nthreads = 1;
+	if (nthreads > npids)
+		nthreads = npids > 0 ? npids : 1;
+	struct slice *slices = calloc((size_t)nthreads, sizeof(*slices));
+	pthread_t *threads = calloc((size_t)nthreads, sizeof(*threads));
+	char *started = calloc((size_t)nthreads, 1);
+	if (!slices || !threads || !started) {
+		free(slices);
+		free(threads);
+		free(started);
+		errno = ENOMEM;
+		return -1;
+	}
+	int per = npids / nthreads, extra = npids % nthreads, at = 0;
+	for (int t = 0; t < nthreads; t++) {
+		int n = per + (t < extra);
+		slices[t] = (struct slice){ proc, pids + at, n, prefixes, nprefixes, majors, nmajors, { 0 } };
+		at += n;
+		/* slice 0 runs on this thread; a thread that cannot start runs here too */
+		started[t] = t > 0 && pthread_create(&threads[t], NULL, scan_slice, &slices[t]) == 0;
+	}
+	for (int t = 0; t < nthreads; t++)
+		if (!started[t])
+			scan_slice(&slices[t]);
+	long used = 0;
+	int err = 0;
+	for (int t = 0; t < nthreads; t++) {
+		if (started[t])
+			pthread_join(threads[t], NULL);
+		struct out_buf *o = &slices[t].out;
+		if (o->full)
+			err = ENOMEM;
+		else if (!err && (size_t)used + o->used > outlen)
+			err = ENOSPC;
+		else if (!err) {
+			memcpy(out + used, o->p, o->used);
+			used += (long)o->used;
+		}
+		free(o->p);
+	}
+	free(slices);
+	free(threads);
+	free(started);
+	if (err) {
+		errno = err;
+		return -1;
+	}
+	return used;
 }

@@ -98,3 +98,14 @@ def test_fixture_proc_root(tmp_path: Path) -> None:
     for impl in ("c", "python"):
         got = scan.scan([7, 8], proc=str(proc), impl=impl)
         assert {(m.kind, m.path) for m in got} == expect, impl
+
+
+def test_thread_count_does_not_change_results() -> None:
+    pids = scan.all_pids()
+    prefixes = ("/dev/", "anon_inode:", "socket:", "/usr/lib")
+    one = scan.scan_c(pids, prefixes, (1, 136), threads=1)
+    assert len(one) > 20
+    for threads in (2, 3, 7, len(pids) + 5):
+        many = scan.scan_c(pids, prefixes, (1, 136), threads=threads)
+        stable = {m.pid for m in one} & {m.pid for m in many} - {os.getpid()}
+        assert [m for m in many if m.pid in stable] == [m for m in one if m.pid in stable], threads

@@ -7,6 +7,7 @@ semantics, used where the helper was not built and compared with it in the tests
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -59,10 +60,14 @@ def _parse(text: str) -> list[Match]:
     return out
 
 
-def scan_c(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] = (), proc: str = PROC) -> list[Match]:
+def scan_c(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] = (), proc: str = PROC,
+           threads: int | None = None) -> list[Match]:
+    """The C helper; `threads` defaults to one per CPU this process may run on, at most 16."""
     if _procscan is None:
         raise RuntimeError("the C helper snapguard._procscan was not built")
     ffi, lib = _procscan.ffi, _procscan.lib
+    if threads is None:
+        threads = min(16, len(os.sched_getaffinity(0)))
     c_pids = ffi.new("int[]", pids)
     keep = [ffi.new("char[]", p.encode()) for p in prefixes]
     c_prefixes = ffi.new("char *[]", keep)
@@ -71,10 +76,10 @@ def scan_c(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] =
     while True:
         buf = ffi.new("char[]", size)
         n = lib.sg_scan(proc.encode(), c_pids, len(pids), c_prefixes, len(prefixes), c_majors, len(majors),
-                        buf, size)
+                        threads, buf, size)
         if n >= 0:
             return _parse(ffi.string(buf, n).decode(errors="surrogateescape")) if n else []
-        if ffi.errno != 28:  # ENOSPC: the only error sg_scan reports
+        if ffi.errno != errno.ENOSPC:
             raise OSError(ffi.errno, os.strerror(ffi.errno))
         size *= 4
 
