@@ -153,6 +153,7 @@ def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
     _require(manifest, "snapguard_version", str, image_dir)
     _require(manifest, "epoch", (int, float), image_dir)
     _require(manifest, "criu_version", str, image_dir)
+    _require(manifest, "image_bytes", int, image_dir)
     host = _require(manifest, "host", dict, image_dir)
     for key in ("kernel", "arch", "hostname"):
         _require(host, key, str, image_dir)
@@ -250,6 +251,12 @@ def compare_with_host(manifest: dict[str, Any], host: dict[str, Any], criu_versi
         findings.append(Finding(Reason.KERNEL_CHANGED,
                                 f"image taken under kernel {src['kernel']}, this host runs {host['kernel']}",
                                 Severity.WARNING, {"image_kernel": src["kernel"], "host_kernel": host["kernel"]}))
+    available = host.get("mem_available")
+    if isinstance(available, int) and manifest["image_bytes"] > available:
+        findings.append(Finding(Reason.HOST_MEMORY_INSUFFICIENT,
+                                f"the image holds {manifest['image_bytes'] >> 20} MiB of process and GPU memory, "
+                                f"this host has {available >> 20} MiB available",
+                                evidence={"needed": manifest["image_bytes"], "available": available}))
     if manifest["criu_version"] != criu_version:
         findings.append(Finding(Reason.CRIU_VERSION_CHANGED,
                                 f"image written by CRIU {manifest['criu_version']}, this host has {criu_version}",

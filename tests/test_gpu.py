@@ -152,3 +152,16 @@ def test_criu_environment_carries_the_device_map(tmp_path: Path) -> None:
     env = criu.prepare_environment(cfg, "/usr/local/sbin/criu", [("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")])
     assert env["SNAPGUARD_DEVICE_MAP"] == "GPU-a=GPU-b,GPU-c=GPU-d"
     assert "SNAPGUARD_DEVICE_MAP" not in criu.prepare_environment(cfg, "/usr/local/sbin/criu")
+
+
+def test_cuda_plugin_check_probes_cuda_checkpoint_like_the_plugin(tmp_path: Path) -> None:
+    from snapguard._config import load
+    from snapguard.preflight.host import check_cuda_plugin
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('cuda_checkpoint = "/bin/true"\n')
+    (f,) = check_cuda_plugin(load({"SNAPGUARD_CONFIG": str(cfg)}), required=True)
+    assert f.reason is Reason.CUDA_PLUGIN_UNAVAILABLE and "does not mention --action" in f.detail
+    assert f.severity is Severity.BLOCKER
+    cfg.write_text(f'cuda_checkpoint = "{tmp_path}/none"\n')  # falls back to snapguard's own
+    assert check_cuda_plugin(load({"SNAPGUARD_CONFIG": str(cfg)}), required=True) == []

@@ -97,9 +97,17 @@ def test_invalid_manifest_from_another_host(mutate, message: str, sealed: Path) 
     assert e.value.reason is Reason.MANIFEST_INVALID
 
 
+def test_image_larger_than_available_memory() -> None:
+    host = host_facts()
+    manifest = {"host": json.loads(json.dumps(host)), "criu_version": "4.2.1", "image_bytes": 8 << 30}
+    (f,) = image.compare_with_host(manifest, {**host, "mem_available": 4 << 30}, "4.2.1")
+    assert f.reason is Reason.HOST_MEMORY_INSUFFICIENT and f.evidence == {"needed": 8 << 30, "available": 4 << 30}
+    assert image.compare_with_host(manifest, {**host, "mem_available": 9 << 30}, "4.2.1") == []
+
+
 def test_compare_with_host() -> None:
     host = host_facts()
-    manifest = {"host": json.loads(json.dumps(host)), "criu_version": "4.2.1"}
+    manifest = {"host": json.loads(json.dumps(host)), "criu_version": "4.2.1", "image_bytes": 1}
     assert image.compare_with_host(manifest, host, "4.2.1") == []
     manifest["host"]["cpu"]["flags"] = host["cpu"]["flags"] + ["avx512_imaginary"]
     manifest["host"]["kernel"] = "5.4.0-old"

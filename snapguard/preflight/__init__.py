@@ -10,7 +10,7 @@ import os
 
 from .. import image
 from .._config import Config
-from .._host import host_facts
+from .._host import host_facts, mem_available_bytes
 from ..reasons import Finding, SnapguardError
 from . import gpu, host, workload
 from ._report import EXIT_BLOCKED, EXIT_READY, EXIT_UNCHECKED, CheckResult, Report
@@ -33,9 +33,11 @@ def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | 
 
 
 def _driver_checks(report: Report) -> list[Finding]:
+    report.facts["gpu"] = facts = gpu.gpu_facts()
+    if facts is None:
+        return []  # no NVIDIA driver: nothing to check, and nothing of the driver API to load
     from ..cuda._symbols import find_libcuda
 
-    report.facts["gpu"] = facts = gpu.gpu_facts()
     return gpu.check_driver(facts, find_libcuda())
 
 
@@ -99,6 +101,7 @@ def manifest_report(path: str, config: Config, criu: str | None = None) -> Repor
     # a tree dumped from the host's own network namespace needs no network lock to restore
     host_checks(report, config, gpu_required=uses_gpu, criu=criu, network_lock=manifest.get("own_netns") is not False)
     report.run("image-vs-host", lambda: image.compare_with_host(
-        manifest, report.facts["host"], str(report.facts.get("criu_version", "unknown"))))
+        manifest, {**report.facts["host"], "mem_available": mem_available_bytes()},
+        str(report.facts.get("criu_version", "unknown"))))
     report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.get("gpu"), report.facts.get("gpu")))
     return report

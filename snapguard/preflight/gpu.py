@@ -7,7 +7,6 @@ from typing import Any
 
 from .. import _host
 from ..reasons import Finding, Reason, Severity
-from . import scan
 
 __all__ = ["gpu_facts", "check_driver", "check_gpu_handles", "compare_gpu", "device_map"]
 
@@ -93,6 +92,8 @@ def check_gpu_handles(facts: dict[str, Any] | None, proc: str = _host.PROC) -> l
     forked workers): harmless until they are in a snapshotted tree, where they block it."""
     if facts is None:
         return []
+    from . import scan  # the C helper loads only where a node scan runs
+
     cuda_pids = {pid for g in facts["gpus"] for pid in g["processes"]}
     holders: dict[int, set[str]] = {}
     for m in scan.scan(prefixes=("/dev/nvidia",), majors=(scan.NVIDIA_MAJOR,), proc=proc):

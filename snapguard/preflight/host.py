@@ -73,7 +73,23 @@ def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
     tool = resolve_cuda_checkpoint(config)
     problem = check_pinned_binary(tool, "cuda-checkpoint") if tool else \
         f"neither {config.cuda_checkpoint} nor snapguard-cuda-checkpoint is installed"
+    if not problem and tool:
+        problem = _cuda_checkpoint_probe(tool)
     if problem:
         findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, problem, severity,
                                 {"path": tool or config.cuda_checkpoint}))
     return findings
+
+
+def _cuda_checkpoint_probe(tool: str) -> str | None:
+    """The plugin's own probe: `cuda-checkpoint -h` must run and mention --action, or the plugin
+    disables itself and a dump "succeeds" without the GPU state."""
+    import subprocess
+
+    try:
+        out = subprocess.run([tool, "-h"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{tool} -h did not run: {e}"
+    if "--action" not in out.stdout:
+        return f"{tool} -h does not mention --action (exit {out.returncode}): the CUDA plugin would disable itself"
+    return None
