@@ -29,6 +29,8 @@ DEFAULTS = {
     "cuda_checkpoint": "/usr/local/bin/cuda-checkpoint",
     "state_dir": "/run/snapguard",
     "criu_timeout_s": 60,
+    # how long a snapshot waits for the workload's take point before going on without it
+    "take_wait_s": 10,
 }
 
 ENV_OVERRIDES = {
@@ -63,6 +65,7 @@ class Config:
     cuda_checkpoint: str
     state_dir: str
     criu_timeout_s: int
+    take_wait_s: int
 
     def __init__(self, values: dict[str, object], source: str | None) -> None:
         self.source = source
@@ -109,9 +112,10 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         value = values[key]
         if not isinstance(value, str) or not os.path.isabs(value):
             raise ConfigError(f"`{key}` must be an absolute path, got {value!r}")
-    timeout = values["criu_timeout_s"]
-    if not isinstance(timeout, int) or isinstance(timeout, bool) or not 1 <= timeout <= 3600:
-        raise ConfigError(f"`criu_timeout_s` must be an integer from 1 to 3600, got {timeout!r}")
+    for key, high in (("criu_timeout_s", 3600), ("take_wait_s", 600)):
+        value = values[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ConfigError(f"`{key}` must be an integer from 1 to {high}, got {value!r}")
     return Config(values, source)
 
 

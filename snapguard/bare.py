@@ -64,38 +64,6 @@ def recover_cuda(pids: list[int]) -> dict[int, str]:
     return outcomes
 
 
-def _take(config: Config, pids: list[int], cuda_pids: list[int],
-          wait_s: float) -> tuple[dict[int, Any], list[Finding], float]:
-    """Hold the hooked processes at a step boundary: one process alone, or every rank of a job at
-    one common step. Several CUDA processes must be held together, or the snapshot is refused."""
-    take_dir = os.path.join(config.state_dir, "take")
-    t0 = time.monotonic()
-    hooked = list(take.trainers(take_dir, pids))
-    if len(cuda_pids) > 1 and set(cuda_pids) - set(hooked):
-        raise SnapguardError(Reason.COORDINATION_FAILED,
-                             f"CUDA processes {sorted(set(cuda_pids) - set(hooked))} run no take-point hook: "
-                             "ranks cannot be held at a common step", evidence={"cuda_pids": cuda_pids})
-    if len(hooked) > 1:
-        held, why = take.coordinated(take_dir, hooked, wait_s)
-        if why:
-            _release(config, list(held))
-            raise SnapguardError(Reason.COORDINATION_FAILED, why, evidence={"held": sorted(held), "ranks": hooked})
-        return held, [], time.monotonic() - t0
-    figures, warnings = {}, []
-    for pid in hooked:
-        got, warning = take.request(take_dir, pid, wait_s)
-        if got:
-            figures[pid] = got
-        if warning:
-            warnings.append(warning)
-    return figures, warnings, time.monotonic() - t0
-
-
-def _release(config: Config, pids: list[int]) -> None:
-    for pid in pids:
-        take.release(os.path.join(config.state_dir, "take"), pid)
-
-
 def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
                    tcp_established: bool = False, take_wait_s: float = 10.0) -> dict[str, Any]:
     t_start = time.monotonic()
@@ -104,8 +72,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     report = Report(f"--pid {pid}")
     own_netns = workload.own_netns(pid)
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=own_netns)
-    workload.run_checks(report, inv, tcp_established,
-                        trainers=take.trainers(os.path.join(config.state_dir, "take"), tree))
+    workload.run_checks(report, inv, tcp_established, trainers=take.trainers(tree))
     conns = workload.tree_tcp(inv) if tcp_established else []
     # CRIU locks host-netns connections with iptables; connections between processes of the tree
     # are frozen with it and need no lock (and GPU nodes often have no iptables).
@@ -116,8 +83,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     cuda_pids = [p.pid for p in inv.cuda_processes()]
     preflight_s = time.monotonic() - t_start
 
-    figures, warnings, take_s = _take(config, [p.pid for p in inv.procs], cuda_pids, take_wait_s)
-    held = list(figures)
+    found, figures, warnings, take_s = take.hold(tree, cuda_pids, take_wait_s)
     ensure_private_dir(images)
     t0 = time.monotonic()
     argv = criu.dump_argv(config.criu, pid, images, images, leave_running=leave_running,
@@ -127,7 +93,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     if rc != 0:
         errors = criu.read_log_errors(os.path.join(images, "dump.log"))
         outcomes = recover_cuda(cuda_pids)
-        _release(config, held)
+        take.release_all(found)
         intact = os.path.exists(f"/proc/{pid}") and not any(o.startswith("wedged") for o in outcomes.values())
         raise SnapguardError(Reason.CRIU_DUMP_FAILED,
                              "; ".join(str(e) for e in errors) or f"criu dump exited {rc}",
@@ -137,7 +103,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
                                                   for e in errors]},
                              warnings=report.warnings + warnings)
     if leave_running:
-        _release(config, held)  # the dump is on disk: the trainer need not wait for the seal
+        take.release_all(found)  # the dump is on disk: the trainer need not wait for the seal
         outcomes = recover_cuda(cuda_pids)  # the plugin unlocks; verify, and repair if it did not
         wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
         if wedged:
@@ -228,8 +194,8 @@ def restore_images(images: str, config: Config, *, tcp_established: bool = False
     if not os.path.exists(f"/proc/{pid}"):
         raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored pid {pid} is gone", workload_intact=False,
                              evidence={"pid": pid})
-    held = [int(p) for p in manifest.get("take_point", {})]
-    _release(config, held)
+    if manifest.get("take_point"):
+        take.release_all(take.trainers(workload.process_tree(pid)))
     return {"ok": True, "operation": "restore", "pid": pid, "images": images, "cuda_states": states,
             "timings": {"preflight_s": preflight_s, "restore_s": restore_s, "total_s": time.monotonic() - t_start},
             "warnings": [w.to_dict() for w in report.warnings]}

@@ -1,37 +1,99 @@
-"""The executor side of the take point: ask a workload to stop at a step boundary, then release it."""
+"""The executor side of the take point: find the workloads that run the hook, hold them at a step
+boundary (every rank of a job at one common step), then release them.
+
+A hooked process listens on <SNAPGUARD_TAKE_DIR>/<its pid>.sock in its own mount and pid
+namespaces; the executor reaches it through /proc/<host pid>/root. A container's filesystem is
+not trusted: every directory on the way must be a real directory and the socket a socket, so a
+symlink cannot send the executor (root) to a socket of the host.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import stat
+import threading
+import time
 from typing import Any
 
-from ..reasons import Finding, Reason, Severity
-from . import socket_path
+from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["coordinated", "hooked", "request", "release", "status", "trainers"]
+__all__ = ["hold", "release_all", "socket_for", "trainers"]
+
+PROC = "/proc"
+
+
+def _nspid(pid: int, proc: str) -> int:
+    """The pid as the process itself sees it (innermost pid namespace)."""
+    with open(f"{proc}/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+def socket_for(pid: int, proc: str = PROC) -> str | None:
+    """The host path of pid's take-point socket, or None when it runs no hook."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        take_dir = env.get(b"SNAPGUARD_TAKE_DIR", b"").decode()
+        if not take_dir.startswith("/"):
+            return None
+        path = f"{proc}/{pid}/root"
+        for part in [p for p in take_dir.split("/") if p]:
+            path = f"{path}/{part}"
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return None
+        path = f"{path}/{_nspid(pid, proc)}.sock"
+        return path if stat.S_ISSOCK(os.lstat(path).st_mode) else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
 
 
 def _ask(path: str, line: str, timeout: float) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(line.encode())
-        f = s.makefile("rb")
-        reply = f.readline()
-        # Wait for the workload to close its end: a connection still open when CRIU freezes the
-        # workload is an external socket that fails the dump.
-        while f.read(4096):
-            pass
+    # Through a descriptor of the directory: a path under /proc/PID/root can pass the length limit
+    # of socket addresses, and the directory cannot be swapped for a symlink after the check.
+    dir_fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}")
+            return _exchange(s, line)
+    finally:
+        os.close(dir_fd)
+
+
+def _exchange(s: socket.socket, line: str) -> dict[str, Any]:
+    s.sendall(line.encode())
+    f = s.makefile("rb")
+    reply = f.readline()
+    # Wait for the workload to close its end: a connection still open when CRIU freezes the
+    # workload is an external socket that fails the dump.
+    while f.read(4096):
+        pass
     return json.loads(reply)
 
 
-def request(take_dir: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | None, Finding | None]:
-    """(figures, None) when the workload held at a step boundary; (None, warning) otherwise."""
-    path = socket_path(take_dir, pid)
-    if not os.path.exists(path):
-        return None, None  # no hook in this process: nothing to ask
+def trainers(pids: list[int], proc: str = PROC) -> dict[int, dict[str, Any]]:
+    """{pid: status} of the pids whose hook has its step hook registered (they train); a launcher
+    that runs the hook but no optimizer is not one to wait for."""
+    found = {}
+    for pid in pids:
+        path = socket_for(pid, proc)
+        if path is None:
+            continue
+        try:
+            st = _ask(path, "status\n", 5.0)
+        except (OSError, ValueError):
+            continue
+        if st.get("trainer"):
+            found[pid] = {**st, "socket": path}
+    return found
+
+
+def _hold_one(path: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | None, Finding | None]:
     try:
         reply = _ask(path, f"take {wait_s}\n", wait_s + 5)
     except (OSError, ValueError) as e:
@@ -43,63 +105,60 @@ def request(take_dir: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | No
                          Severity.WARNING, {"pid": pid})
 
 
-def hooked(take_dir: str, pids: list[int]) -> list[int]:
-    """The pids that run the take-point hook (have a socket)."""
-    return [p for p in pids if os.path.exists(socket_path(take_dir, p))]
-
-
-def trainers(take_dir: str, pids: list[int]) -> dict[int, dict[str, Any]]:
-    """{pid: status} of the hooked pids that train (their step hook is registered); a launcher
-    that runs the hook but no optimizer is not one to wait for."""
-    found = {}
-    for pid in hooked(take_dir, pids):
-        try:
-            st = status(take_dir, pid)
-        except (OSError, ValueError):
-            continue
-        if st.get("trainer"):
-            found[pid] = st
-    return found
-
-
-def status(take_dir: str, pid: int, timeout: float = 5.0) -> dict[str, Any]:
-    return _ask(socket_path(take_dir, pid), "status\n", timeout)
-
-
-def coordinated(take_dir: str, pids: list[int], wait_s: float) -> tuple[dict[int, Any], str | None]:
-    """Bring every rank to the end of one common optimizer step and hold them all there.
-
-    The step is two past the furthest rank's: a rank that finishes its step while the request is
-    on its way still stops at the common one, and none is left inside a collective that waits for
-    a held peer. Returns ({pid: figures}, None), or ({pid: figures of those held}, why not).
-    """
-    import threading
-
-    try:
-        steps = {pid: int(status(take_dir, pid)["step"]) for pid in pids}
-    except (OSError, ValueError, KeyError) as e:
-        return {}, f"status: {e}"
-    target = max(steps.values()) + 2
+def _hold_together(found: dict[int, dict[str, Any]], wait_s: float) -> dict[int, dict[str, Any]]:
+    """Every rank to the end of one common step: two past the furthest rank's, so a rank that
+    finishes a step while the request is on its way still stops there, and none is left inside
+    a collective waiting for a held peer. Raises COORDINATION_FAILED (with the held released)."""
+    target = max(int(st["step"]) for st in found.values()) + 2
     replies: dict[int, dict[str, Any]] = {}
 
     def ask(pid: int) -> None:
         try:
-            replies[pid] = _ask(socket_path(take_dir, pid), f"take-at {target} {wait_s}\n", wait_s + 5)
+            replies[pid] = _ask(found[pid]["socket"], f"take-at {target} {wait_s}\n", wait_s + 5)
         except (OSError, ValueError) as e:
             replies[pid] = {"ok": False, "error": str(e)}
 
-    threads = [threading.Thread(target=ask, args=(pid,)) for pid in pids]
+    threads = [threading.Thread(target=ask, args=(pid,)) for pid in found]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     held = {pid: r for pid, r in replies.items() if r.get("ok")}
     failed = {pid: r.get("error") for pid, r in replies.items() if not r.get("ok")}
-    return held, (f"step {target}: {failed}" if failed else None)
+    if failed:
+        release_all({pid: found[pid] for pid in held})
+        raise SnapguardError(Reason.COORDINATION_FAILED, f"ranks not held at step {target}: {failed}",
+                             evidence={"held": sorted(held), "ranks": sorted(found), "step": target})
+    return held
 
 
-def release(take_dir: str, pid: int, timeout: float = 10.0) -> bool:
-    try:
-        return bool(_ask(socket_path(take_dir, pid), "release\n", timeout).get("ok"))
-    except (OSError, ValueError):
-        return False
+def hold(pids: list[int], cuda_pids: list[int], wait_s: float,
+         proc: str = PROC) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]], list[Finding], float]:
+    """Hold the trainers among pids: one alone, several at one common step. Several CUDA processes
+    must all be held together, or the snapshot is refused before anything is frozen.
+    Returns (trainers found, figures of those held, warnings, seconds spent)."""
+    t0 = time.monotonic()
+    found = trainers(pids, proc)
+    unhooked = sorted(set(cuda_pids) - set(found))
+    if len(cuda_pids) > 1 and unhooked:
+        raise SnapguardError(Reason.COORDINATION_FAILED,
+                             f"CUDA processes {unhooked} run no take-point hook: ranks cannot be held at a "
+                             "common step", evidence={"cuda_pids": cuda_pids})
+    if len(found) > 1:
+        return found, _hold_together(found, wait_s), [], time.monotonic() - t0
+    held, warnings = {}, []
+    for pid, st in found.items():
+        figures, warning = _hold_one(st["socket"], pid, wait_s)
+        if figures:
+            held[pid] = figures
+        if warning:
+            warnings.append(warning)
+    return found, held, warnings, time.monotonic() - t0
+
+
+def release_all(found: dict[int, dict[str, Any]], timeout: float = 10.0) -> None:
+    for st in found.values():
+        try:
+            _ask(st["socket"], "release\n", timeout)
+        except (OSError, ValueError):
+            pass  # gone, or it goes on by itself after its hold limit

@@ -58,8 +58,7 @@ def pid_report(pid: int, config: Config, tcp_established: bool = False) -> Repor
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
     from ..hooks import take
 
-    trainers = take.trainers(os.path.join(config.state_dir, "take"), [p.pid for p in inv.procs])
-    workload.run_checks(report, inv, tcp_established, trainers=trainers)
+    workload.run_checks(report, inv, tcp_established, trainers=take.trainers([p.pid for p in inv.procs]))
     return report
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from .. import criu, image
 from .._config import Config
 from .._files import ensure_private_dir
+from ..hooks import take
 from ..preflight import gpu, workload
 from ..preflight._report import Report
 from ..reasons import Reason, SnapguardError
@@ -25,16 +26,21 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
                              f"container {sub.container_id} is {state.get('status')}, not running",
                              evidence={"container": sub.container_id, "status": state.get("status")})
     tree = workload.process_tree(int(state["pid"]))
+    trainers = take.trainers(tree)
     criu_bin = criu_path(opts, config)
     report = Report(f"container {sub.container_id}")
     inventory = workload.inventory(tree)
     host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin)
-    workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"))
+    workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"), trainers=trainers)
     report.raise_blockers()
+    found, figures, take_warnings, _ = take.hold(tree, [p.pid for p in inventory.cuda_processes()],
+                                                 config.take_wait_s)
 
     ensure_private_dir(sub.image_path)
     os.makedirs(sub.work_path, mode=0o700, exist_ok=True)
     rc = run_real(runc_command(runc, args, opts, config), prepared_env(config, criu_bin))
+    if rc != 0 or sub.flag("leave-running"):
+        take.release_all(found)  # the image is on disk, or there is none: the workload goes on
     if rc != 0:
         log = os.path.join(sub.work_path, "dump.log")
         errors = criu.read_log_errors(log)
@@ -44,7 +50,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
                              evidence={"container": sub.container_id, "runc_exit": rc, "log": log,
                                        "errors": [{"where": e.where, "message": e.message, "context": e.context}
                                                   for e in errors]},
-                             warnings=report.warnings)
+                             warnings=report.warnings + take_warnings)
     try:
         manifest = image.seal(sub.image_path, {
             "container_id": sub.container_id,
@@ -53,6 +59,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
             "criu_version": report.facts["criu_version"],
             "host": report.facts["host"],
             "processes": inventory.summary(),
+            "take_point": {str(p): f for p, f in figures.items()},
             "gpu": gpu.image_gpu_facts(report.facts["gpu"], [p.pid for p in inventory.procs])
             if report.facts.get("gpu") and inventory.uses_gpu else None,
         })
@@ -67,5 +74,6 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
         "image": sub.image_path,
         "image_bytes": manifest["image_bytes"],
         "files": len(manifest["files"]),
-        "warnings": [w.to_dict() for w in report.warnings],
+        "take_point": figures,
+        "warnings": [w.to_dict() for w in report.warnings + take_warnings],
     }

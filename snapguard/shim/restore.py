@@ -9,7 +9,8 @@ from .. import criu
 from .._config import Config
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs
-from ..preflight import manifest_report
+from ..hooks import take
+from ..preflight import manifest_report, workload
 from ._runc import criu_path, prepared_env, run_real, runc_command, runc_state
 
 __all__ = ["restore"]
@@ -59,6 +60,9 @@ def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs
         raise SnapguardError(Reason.CRIU_RESTORE_FAILED,
                              f"runc restore succeeded but restored pid {pid} is {status}",
                              evidence={"container": sub.container_id, "pid": pid})
+    if manifest.get("take_point"):
+        # the workload was held at its take point when dumped: let it go on
+        take.release_all(take.trainers(workload.process_tree(pid)))
     return {
         "ok": True,
         "operation": "restore",
