@@ -1,0 +1,99 @@
+"""The take point through snapguard-runc: a PyTorch job in a runc container (its rootfs bind
+mounts of this host's own directories, nothing pulled) is held at a step boundary by the executor,
+checkpointed and restored through the real runc and CRIU, and continues bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snapguard.hooks import site_dir
+from snapguard.testbed import DdpJob
+
+pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 30
+HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, str(REPO)]
+
+
+def make_bundle(tmp_path: Path, out: Path) -> Path:
+    bundle = tmp_path / "bundle"
+    rootfs = bundle / "rootfs"
+    for d in ["proc", "dev", "sys", "tmp", "run/snapguard/take", "out"]:
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    # merged-/usr hosts have /lib, /bin... as symlinks: the same links in the rootfs, real
+    # directories bound (CRIU cannot restore a bind mount of a symlink)
+    binds = []
+    for d in HOST_DIRS:
+        inside = rootfs / d.lstrip("/")
+        inside.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(d):
+            inside.symlink_to(os.readlink(d))
+        elif os.path.isdir(d):
+            inside.mkdir(parents=True, exist_ok=True)
+            binds.append(d)
+    subprocess.run(["/usr/sbin/runc", "spec", "--bundle", str(bundle)], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"]["readonly"] = False
+    spec["process"].update(terminal=False, cwd="/", args=[
+        sys.executable, str(REPO / "examples" / "ddp" / "launch.py"), "--world", "1", "--out", "/out",
+        "--steps", str(STEPS)])
+    spec["process"]["env"] = ["PATH=/usr/bin:/bin", "HOME=/root", "PYTHONWARNINGS=ignore",
+                              f"PYTHONPATH={site_dir()}:{REPO}", "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
+    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]} for d in binds]
+    spec["mounts"].append({"destination": "/out", "type": "bind", "source": str(out), "options": ["rbind", "rw"]})
+    # gloo talks over loopback: stay in the host's network namespace (a new one has lo down)
+    spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
+    job = DdpJob(tmp_path_factory.mktemp("reference"), 1, STEPS)
+    assert job.start(None).wait(timeout=300) == 0
+    job.results()
+    return job
+
+
+@pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])
+def test_executor_holds_container_at_take_point(leave_running: bool, tmp_path: Path, snapguard_runc: str,
+                                                reference: DdpJob) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = DdpJob(out, 1, STEPS)
+    bundle = make_bundle(tmp_path, out)
+    root, cid = tmp_path / "runc", f"take-{os.getpid()}-{int(leave_running)}"
+    executor = [snapguard_runc, "--root", str(root)]
+    env = {**os.environ, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+    # stdio /dev/null, as containerd's null IO: a host file as stdio is outside the container's
+    # mounts and CRIU cannot dump it (the ranks log to /out)
+    assert subprocess.run([*executor, "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, env=env).returncode == 0
+    try:
+        job.wait_step(5)
+        image, work = tmp_path / "image", tmp_path / "work"
+        flags = ["--leave-running"] if leave_running else []
+        ck = subprocess.run([*executor, "checkpoint", "--image-path", str(image), "--work-path", str(work),
+                             "--tcp-established", *flags, cid], capture_output=True, text=True, timeout=120, env=env)
+        assert ck.returncode == 0, ck.stderr
+        result = json.loads((work / "snapguard-result.json").read_text())
+        (figures,) = result["take_point"].values()
+        assert figures["ok"] and figures["step"] >= 6 and figures["pid"] != int(next(iter(result["take_point"])))
+        if not leave_running:
+            rs = subprocess.run([*executor, "restore", "--image-path", str(image), "--work-path",
+                                 str(tmp_path / "restore-work"), "--bundle", str(bundle), "--detach",
+                                 "--tcp-established", cid], capture_output=True, text=True, timeout=120, env=env,
+                                stdin=subprocess.DEVNULL)
+            assert rs.returncode == 0, rs.stderr
+        assert job.mismatches(reference) == []
+    finally:
+        subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+        shutil.rmtree(bundle / "rootfs" / "tmp", ignore_errors=True)
