@@ -72,7 +72,8 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     report = Report(f"--pid {pid}")
     own_netns = workload.own_netns(pid)
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=own_netns)
-    workload.run_checks(report, inv, tcp_established, trainers=take.trainers(tree))
+    found = take.trainers(tree)
+    workload.run_checks(report, inv, tcp_established, trainers=found)
     conns = workload.tree_tcp(inv) if tcp_established else []
     # CRIU locks host-netns connections with iptables; connections between processes of the tree
     # are frozen with it and need no lock (and GPU nodes often have no iptables).
@@ -83,7 +84,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     cuda_pids = [p.pid for p in inv.cuda_processes()]
     preflight_s = time.monotonic() - t_start
 
-    found, figures, warnings, take_s = take.hold(tree, cuda_pids, take_wait_s)
+    figures, warnings, take_s = take.hold(found, cuda_pids, take_wait_s)
     ensure_private_dir(images)
     t0 = time.monotonic()
     argv = criu.dump_argv(config.criu, pid, images, images, leave_running=leave_running,

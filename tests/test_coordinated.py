@@ -18,7 +18,7 @@ from snapguard.testbed import DdpJob
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
-STEPS = 40
+STEPS = 80  # long enough that no job finishes while a loaded CI machine snapshots it
 
 
 @pytest.fixture
@@ -63,9 +63,9 @@ def test_two_rank_gloo_job_snapshot_at_common_step(leave_running: bool, config, 
 
 
 def test_four_rank_job_stop_and_restore(config, tmp_path: Path) -> None:
-    ref = DdpJob(tmp_path / "ref", 4, 20)
+    ref = DdpJob(tmp_path / "ref", 4, STEPS)
     assert ref.start(None).wait(timeout=300) == 0
-    job = DdpJob(tmp_path / "job", 4, 20)
+    job = DdpJob(tmp_path / "job", 4, STEPS)
     launcher = job.start(take_dir(config))
     try:
         job.wait_step(5)
@@ -108,9 +108,9 @@ def test_established_tcp_without_flag_is_refused(config, tmp_path: Path) -> None
 
 def test_single_trainer_take_point_holds_and_releases(config, tmp_path: Path) -> None:
     """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go."""
-    ref = DdpJob(tmp_path / "ref", 1, 20)
+    ref = DdpJob(tmp_path / "ref", 1, STEPS)
     assert ref.start(None).wait(timeout=300) == 0
-    job = DdpJob(tmp_path / "job", 1, 20)
+    job = DdpJob(tmp_path / "job", 1, STEPS)
     launcher = job.start(take_dir(config))
     try:
         job.wait_step(5)

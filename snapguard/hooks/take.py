@@ -132,20 +132,19 @@ def _hold_together(found: dict[int, dict[str, Any]], wait_s: float) -> dict[int,
     return held
 
 
-def hold(pids: list[int], cuda_pids: list[int], wait_s: float,
-         proc: str = PROC) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]], list[Finding], float]:
-    """Hold the trainers among pids: one alone, several at one common step. Several CUDA processes
-    must all be held together, or the snapshot is refused before anything is frozen.
-    Returns (trainers found, figures of those held, warnings, seconds spent)."""
+def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int],
+         wait_s: float) -> tuple[dict[int, dict[str, Any]], list[Finding], float]:
+    """Hold the trainers (as `trainers` found them): one alone, several at one common step.
+    Several CUDA processes must all be held together, or the snapshot is refused before anything
+    is frozen. Returns (figures of those held, warnings, seconds spent)."""
     t0 = time.monotonic()
-    found = trainers(pids, proc)
     unhooked = sorted(set(cuda_pids) - set(found))
     if len(cuda_pids) > 1 and unhooked:
         raise SnapguardError(Reason.COORDINATION_FAILED,
                              f"CUDA processes {unhooked} run no take-point hook: ranks cannot be held at a "
                              "common step", evidence={"cuda_pids": cuda_pids})
     if len(found) > 1:
-        return found, _hold_together(found, wait_s), [], time.monotonic() - t0
+        return _hold_together(found, wait_s), [], time.monotonic() - t0
     held, warnings = {}, []
     for pid, st in found.items():
         figures, warning = _hold_one(st["socket"], pid, wait_s)
@@ -153,7 +152,7 @@ def hold(pids: list[int], cuda_pids: list[int], wait_s: float,
             held[pid] = figures
         if warning:
             warnings.append(warning)
-    return found, held, warnings, time.monotonic() - t0
+    return held, warnings, time.monotonic() - t0
 
 
 def release_all(found: dict[int, dict[str, Any]], timeout: float = 10.0) -> None:

@@ -26,15 +26,14 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
                              f"container {sub.container_id} is {state.get('status')}, not running",
                              evidence={"container": sub.container_id, "status": state.get("status")})
     tree = workload.process_tree(int(state["pid"]))
-    trainers = take.trainers(tree)
+    found = take.trainers(tree)
     criu_bin = criu_path(opts, config)
     report = Report(f"container {sub.container_id}")
     inventory = workload.inventory(tree)
     host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin)
-    workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"), trainers=trainers)
+    workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"), trainers=found)
     report.raise_blockers()
-    found, figures, take_warnings, _ = take.hold(tree, [p.pid for p in inventory.cuda_processes()],
-                                                 config.take_wait_s)
+    figures, take_warnings, _ = take.hold(found, [p.pid for p in inventory.cuda_processes()], config.take_wait_s)
 
     ensure_private_dir(sub.image_path)
     os.makedirs(sub.work_path, mode=0o700, exist_ok=True)
