@@ -2,7 +2,8 @@
 releases the allocator's free reserve and holds still while a snapshot is taken.
 
 Injected without changing the trainer: start it with PYTHONPATH including `site_dir()` (which
-holds a sitecustomize) and SNAPGUARD_TAKE_DIR set. The executor side is `take.request`/`release`.
+holds a sitecustomize) and SNAPGUARD_TAKE_DIR set. The executor side is `take`: `trainers` finds
+the hooked processes of a tree, `hold` brings them to a step boundary, `release_all` lets them go.
 """
 
 from __future__ import annotations
