@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["cpu_info", "host_facts", "mem_available_bytes"]
+__all__ = ["cpu_info", "host_facts", "mem_available_bytes", "process_state"]
 
 PROC = "/proc"
 
@@ -45,3 +45,13 @@ def host_facts(proc: str = PROC) -> dict[str, Any]:
         "arch": uname.machine,
         "cpu": cpu_info(proc),
     }
+
+
+def process_state(pid: int, proc: str = PROC) -> str:
+    """The state letter of /proc/PID/stat (R, S, Z...), or "gone"."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            # comm, in parentheses, may itself contain spaces and parentheses
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

@@ -12,6 +12,7 @@ from typing import Any
 from . import criu, image
 from ._config import Config
 from ._files import ensure_private_dir
+from ._host import process_state
 from .hooks import take
 from .preflight import gpu, host_checks, manifest_report, workload
 from .preflight import host as host_checks_module
@@ -134,20 +135,12 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     }
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
     """Pids of the image in use here. The processes a stop snapshot killed may still be zombies
     waiting for their new parent to reap them: those are given a few seconds to go."""
     wanted = [p["pid"] for p in manifest.get("processes", []) if isinstance(p, dict) and isinstance(p.get("pid"), int)]
     deadline = time.monotonic() + grace_s
-    while any(_zombie(p) for p in wanted) and time.monotonic() < deadline:
+    while any(process_state(p) == "Z" for p in wanted) and time.monotonic() < deadline:
         time.sleep(0.02)
     taken = [p for p in wanted if os.path.exists(f"/proc/{p}")]
     if not taken:

@@ -274,6 +274,14 @@ class DdpJob:
         log.close()
         return proc
 
+    def run_uninterrupted(self, timeout: float = 300) -> DdpJob:
+        """Run it to the end without the hook: the reference a snapshotted run is compared with."""
+        rc = self.start(None).wait(timeout=timeout)
+        if rc != 0:
+            raise RuntimeError(f"reference job in {self.out} exited {rc}")
+        self.results()
+        return self
+
     def rows(self, rank: int) -> dict[int, list[str]]:
         """{step: [loss bits, ...]}: a step logged twice (a restore went back) has two entries."""
         got: dict[int, list[str]] = {}

@@ -57,10 +57,7 @@ def make_bundle(tmp_path: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
-    job = DdpJob(tmp_path_factory.mktemp("reference"), 1, STEPS)
-    assert job.start(None).wait(timeout=300) == 0
-    job.results()
-    return job
+    return DdpJob(tmp_path_factory.mktemp("reference"), 1, STEPS).run_uninterrupted()
 
 
 @pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])

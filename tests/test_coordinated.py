@@ -34,10 +34,7 @@ def take_dir(config) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
-    job = DdpJob(tmp_path_factory.mktemp("reference"), 2, STEPS)
-    assert job.start(None).wait(timeout=300) == 0
-    job.results()
-    return job
+    return DdpJob(tmp_path_factory.mktemp("reference"), 2, STEPS).run_uninterrupted()
 
 
 @pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])
@@ -63,8 +60,7 @@ def test_two_rank_gloo_job_snapshot_at_common_step(leave_running: bool, config, 
 
 
 def test_four_rank_job_stop_and_restore(config, tmp_path: Path) -> None:
-    ref = DdpJob(tmp_path / "ref", 4, STEPS)
-    assert ref.start(None).wait(timeout=300) == 0
+    ref = DdpJob(tmp_path / "ref", 4, STEPS).run_uninterrupted()
     job = DdpJob(tmp_path / "job", 4, STEPS)
     launcher = job.start(take_dir(config))
     try:
@@ -108,8 +104,7 @@ def test_established_tcp_without_flag_is_refused(config, tmp_path: Path) -> None
 
 def test_single_trainer_take_point_holds_and_releases(config, tmp_path: Path) -> None:
     """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go."""
-    ref = DdpJob(tmp_path / "ref", 1, STEPS)
-    assert ref.start(None).wait(timeout=300) == 0
+    ref = DdpJob(tmp_path / "ref", 1, STEPS).run_uninterrupted()
     job = DdpJob(tmp_path / "job", 1, STEPS)
     launcher = job.start(take_dir(config))
     try:

@@ -25,8 +25,7 @@ def main() -> int:
     ref = DdpJob(base / "reference", 2, 60, device="cuda")
     report: dict = {"gpus": torch.cuda.device_count()}
     if "--nccl-only" not in sys.argv:
-        ref.start(None).wait(timeout=300)
-        report["reference_results"] = ref.results()
+        report["reference_results"] = ref.run_uninterrupted().results()
     if "--nccl" in sys.argv:
         from snapguard.preflight import pid_report
 

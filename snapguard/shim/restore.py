@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import criu
 from .._config import Config
+from .._host import process_state
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs
 from ..hooks import take
@@ -27,16 +28,6 @@ def _restored_pid(runc: str, opts: GlobalOptions, sub: SubcommandArgs) -> int:
     return int(runc_state(runc, opts, sub.container_id)["pid"])
 
 
-def _process_state(pid: int) -> str:
-    """The state letter of /proc/PID/stat (R, S, Z...), or "gone"."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # comm, in parentheses, may itself contain spaces and parentheses
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs, config: Config) -> dict[str, Any]:
     criu_bin = criu_path(opts, config)
     report = manifest_report(sub.image_path, config, criu=criu_bin)
@@ -55,7 +46,7 @@ def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs
                                                   for e in errors]},
                              warnings=report.warnings)
     pid = _restored_pid(runc, opts, sub)
-    status = _process_state(pid)
+    status = process_state(pid)
     if status in ("gone", "Z", "X"):
         raise SnapguardError(Reason.CRIU_RESTORE_FAILED,
                              f"runc restore succeeded but restored pid {pid} is {status}",
