@@ -165,3 +165,40 @@ def test_cuda_plugin_check_probes_cuda_checkpoint_like_the_plugin(tmp_path: Path
     assert f.severity is Severity.BLOCKER
     cfg.write_text(f'cuda_checkpoint = "{tmp_path}/none"\n')  # falls back to snapguard's own
     assert check_cuda_plugin(load({"SNAPGUARD_CONFIG": str(cfg)}), required=True) == []
+
+
+FAKE_DRIVER = r"""
+/* The driver calls Driver makes, with the one behaviour under test: before cuInit a checkpoint
+   call answers CUDA_ERROR_NOT_INITIALIZED (3) when built with -DNEEDS_INIT. */
+static int initialised, init_calls;
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return ++init_calls, 0; }
+int fake_init_calls(void) { return init_calls; }
+int cuGetErrorName(int e, const char **s) { (void)e; *s = "CUDA_ERROR_FAKE"; return 0; }
+int cuGetErrorString(int e, const char **s) { (void)e; *s = "fake"; return 0; }
+int cuCheckpointProcessGetState(int pid, int *state) {
+#ifdef NEEDS_INIT
+    if (!initialised) return 3;
+#endif
+    if (pid <= 0) return 1;
+    *state = 1;
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("needs_init", [False, True], ids=["without-cuinit", "needs-cuinit"])
+def test_driver_calls_cuinit_only_when_a_call_asks(needs_init: bool, tmp_path: Path) -> None:
+    from snapguard.cuda import CudaError, Driver
+
+    src = tmp_path / "fake.c"
+    src.write_text(FAKE_DRIVER)
+    lib = tmp_path / "libfakecuda.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", *(["-DNEEDS_INIT"] if needs_init else []), "-o", str(lib), str(src)],
+                   check=True)
+    driver = Driver(str(lib))
+    driver.ffi.cdef("int fake_init_calls(void);")
+    assert driver.state(1234) == "locked"
+    assert driver.state(1234) == "locked"
+    assert driver.lib.fake_init_calls() == (1 if needs_init else 0)
+    with pytest.raises(CudaError, match=r"cuCheckpointProcessGetState \(pid 0\): CUDA_ERROR_FAKE \(1\)"):
+        driver.state(0)

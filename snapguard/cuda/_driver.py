@@ -7,7 +7,6 @@ for a snapshot (a timeout, a wedged process) is decided by the callers.
 from __future__ import annotations
 
 import threading
-import uuid as _uuid
 
 from cffi import FFI
 
@@ -64,7 +63,9 @@ class CudaError(Exception):
 
 
 class Driver:
-    """One loaded libcuda; cuInit is called once, as restore needs it without persistence mode."""
+    """One loaded libcuda. cuInit is called only when a call answers CUDA_ERROR_NOT_INITIALIZED
+    (restore does without persistence mode): it costs a driver start-up on every cuda-checkpoint
+    run, and CRIU's plugin runs cuda-checkpoint several times while the trainer is stalled."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         self.ffi = FFI()
@@ -95,33 +96,35 @@ class Driver:
         self._check("cuDriverGetVersion", self.lib.cuDriverGetVersion(v))
         return int(v[0])
 
+    def _call(self, call: str, pid: int, *args: object) -> None:
+        """One checkpoint call, with cuInit and a second try if the driver was not initialised."""
+        fn = getattr(self.lib, call)
+        code = fn(pid, *args)
+        if code == CUDA_ERROR_NOT_INITIALIZED and not self._initialised:
+            self.init()
+            code = fn(pid, *args)
+        self._check(call, code, pid)
+
     def state(self, pid: int) -> str:
-        self.init()
         s = self.ffi.new("int *")
-        self._check("cuCheckpointProcessGetState", self.lib.cuCheckpointProcessGetState(pid, s), pid)
+        self._call("cuCheckpointProcessGetState", pid, s)
         return STATES.get(int(s[0]), f"unknown({s[0]})")
 
     def restore_thread_id(self, pid: int) -> int:
-        self.init()
         tid = self.ffi.new("int *")
-        self._check("cuCheckpointProcessGetRestoreThreadId",
-                    self.lib.cuCheckpointProcessGetRestoreThreadId(pid, tid), pid)
+        self._call("cuCheckpointProcessGetRestoreThreadId", pid, tid)
         return int(tid[0])
 
     def lock(self, pid: int, timeout_ms: int = 0) -> None:
-        self.init()
         args = self.ffi.new("CUcheckpointLockArgs *")
         args.timeoutMs = timeout_ms
-        self._check("cuCheckpointProcessLock", self.lib.cuCheckpointProcessLock(pid, args), pid)
+        self._call("cuCheckpointProcessLock", pid, args)
 
     def checkpoint(self, pid: int) -> None:
-        self.init()
-        args = self.ffi.new("CUcheckpointCheckpointArgs *")
-        self._check("cuCheckpointProcessCheckpoint", self.lib.cuCheckpointProcessCheckpoint(pid, args), pid)
+        self._call("cuCheckpointProcessCheckpoint", pid, self.ffi.new("CUcheckpointCheckpointArgs *"))
 
     def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
         """Restore GPU state; gpu_pairs maps old GPU UUIDs to new ones and must list every GPU."""
-        self.init()
         args = self.ffi.new("CUcheckpointRestoreArgs *")
         keep = None
         if gpu_pairs:
@@ -133,18 +136,18 @@ class Driver:
                 self.ffi.memmove(keep[i].oldUuid.bytes, uuid_bytes(old), 16)
                 self.ffi.memmove(keep[i].newUuid.bytes, uuid_bytes(new), 16)
             args.gpuPairs, args.gpuPairsCount = keep, len(gpu_pairs)
-        self._check("cuCheckpointProcessRestore", self.lib.cuCheckpointProcessRestore(pid, args), pid)
+        self._call("cuCheckpointProcessRestore", pid, args)
 
     def unlock(self, pid: int) -> None:
-        self.init()
-        args = self.ffi.new("CUcheckpointUnlockArgs *")
-        self._check("cuCheckpointProcessUnlock", self.lib.cuCheckpointProcessUnlock(pid, args), pid)
+        self._call("cuCheckpointProcessUnlock", pid, self.ffi.new("CUcheckpointUnlockArgs *"))
 
 
 def uuid_bytes(gpu_uuid: str) -> bytes:
     """'GPU-8c3b...' (as NVML and nvidia-smi print it) to the 16 raw bytes of CUuuid."""
+    import uuid  # only a device map needs it: cuda-checkpoint's start-up is in the trainer's stall
+
     text = gpu_uuid[4:] if gpu_uuid.upper().startswith(("GPU-", "MIG-")) else gpu_uuid
-    return _uuid.UUID(text).bytes
+    return uuid.UUID(text).bytes
 
 
 _loaded: Driver | None = None
