@@ -131,6 +131,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
         "cuda_pids": cuda_pids, "image_bytes": manifest["image_bytes"],
         "timings": {"preflight_s": preflight_s, "take_s": take_s, "dump_s": dump_s, "seal_s": seal_s,
                     "total_s": time.monotonic() - t_start},
+        "criu_marks": criu.log_marks(os.path.join(images, "dump.log")),
         "take_point": figures, "warnings": [w.to_dict() for w in report.warnings + warnings],
     }
 
@@ -192,4 +193,5 @@ def restore_images(images: str, config: Config, *, tcp_established: bool = False
         take.release_all(take.trainers(workload.process_tree(pid)))
     return {"ok": True, "operation": "restore", "pid": pid, "images": images, "cuda_states": states,
             "timings": {"preflight_s": preflight_s, "restore_s": restore_s, "total_s": time.monotonic() - t_start},
+            "criu_marks": criu.log_marks(os.path.join(images, "restore.log")),
             "warnings": [w.to_dict() for w in report.warnings]}

@@ -41,3 +41,19 @@ def test_prepare_environment_pins_path(tmp_path: Path) -> None:
     assert (bin_dir.stat().st_mode & 0o777) == 0o700
     assert Path(env["CRIU_CONFIG_FILE"]).read_text() == f"timeout {cfg.criu_timeout_s}\n"
     assert "LD_PRELOAD" not in env
+
+
+def test_log_marks_first_of_each_and_end(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text("(00.000239) Running on vm\n"
+                   "(00.010000) cuda_plugin: pausing devices on pid 41\n"
+                   "pie: 41: no timestamp on this line\n"
+                   "(00.512000) Seized task 41, state 1\n"
+                   "(00.600000) cuda_plugin: Checkpointing CUDA devices on pid 41 restore_tid 44\n"
+                   "(01.900000) Dumping pages (type: 59 pid: 41)\n"
+                   "(03.250000) Dumping pages (type: 59 pid: 42)\n"
+                   "(03.400000) Unfreezing tasks into 1\n"
+                   "(04.125000) Dumping finished successfully\n")
+    assert criu.log_marks(str(log)) == {"cuda_lock": 0.01, "seized": 0.512, "cuda_checkpoint": 0.6,
+                                        "dump_pages": 1.9, "unfreeze": 3.4, "dumped": 4.125, "end": 4.125}
+    assert criu.log_marks(str(tmp_path / "missing.log")) == {}

@@ -23,6 +23,7 @@ __all__ = [
     "MIN_VERSION",
     "check",
     "extract_errors",
+    "log_marks",
     "prepare_environment",
     "version",
 ]
@@ -144,6 +145,43 @@ def read_log_errors(path: str, limit: int = 3) -> list[CriuLogError]:
             return extract_errors(f.read())[:limit]
     except OSError:
         return []
+
+
+# Where the time of a dump or restore goes: the first line of each, seconds into CRIU's log.
+# The CUDA plugin logs before it runs cuda-checkpoint, so the gap to the next mark holds the tool.
+LOG_MARKS = {
+    "cuda_lock": "pausing devices on pid",
+    "seized": "Seized task",
+    "cuda_checkpoint": "Checkpointing CUDA devices",
+    "dump_pages": "Dumping pages (type",
+    "unfreeze": "Unfreezing tasks into",
+    "cuda_resume": "resuming devices on pid",
+    "dumped": "Dumping finished successfully",
+    "fork": "Forking task with",
+}
+_LOG_TIME = re.compile(r"^\((\d+)\.(\d+)\) ")
+
+
+def log_marks(path: str) -> dict[str, float]:
+    """{mark: seconds into the log} for the LOG_MARKS found in a CRIU log, and "end" for its last
+    timestamped line; empty when the log cannot be read."""
+    found: dict[str, float] = {}
+    last = None
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = _LOG_TIME.match(line)
+                if not m:
+                    continue
+                last = int(m.group(1)) + int(m.group(2)) / 10 ** len(m.group(2))
+                for name, text in LOG_MARKS.items():
+                    if name not in found and text in line:
+                        found[name] = last
+    except OSError:
+        return {}
+    if last is not None:
+        found["end"] = last
+    return found
 
 
 def prepare_environment(config: Config, criu: str, device_map: list[tuple[str, str]] | None = None) -> dict[str, str]:

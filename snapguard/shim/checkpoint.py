@@ -74,5 +74,6 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
         "image_bytes": manifest["image_bytes"],
         "files": len(manifest["files"]),
         "take_point": figures,
+        "criu_marks": criu.log_marks(os.path.join(sub.work_path, "dump.log")),
         "warnings": [w.to_dict() for w in report.warnings + take_warnings],
     }

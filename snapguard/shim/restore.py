@@ -60,6 +60,7 @@ def restore(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandArgs
         "container": sub.container_id,
         "image": sub.image_path,
         "pid": pid,
+        "criu_marks": criu.log_marks(os.path.join(sub.work_path, "restore.log")),
         "image_epoch": manifest["epoch"],
         "warnings": [w.to_dict() for w in report.warnings],
     }
