@@ -15,6 +15,7 @@ forever.
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import json
@@ -29,6 +30,30 @@ __all__ = ["start"]
 
 _HOLD_S = float(os.environ.get("SNAPGUARD_TAKE_HOLD_S", "300"))
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
+
+
+def _host_anon_bytes() -> int:
+    """Resident anonymous memory (RssAnon) of this process, 0 where procfs does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): return free heap pages to the kernel. Nothing elsewhere (musl)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 class _TakePoint:
@@ -65,16 +90,25 @@ class _TakePoint:
 
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         reserved_before = torch.cuda.memory_reserved() if cuda else 0
+        host_before = _host_anon_bytes()
         t0 = time.monotonic()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
+            if host_empty is not None:
+                host_empty()
+        # Every resident anonymous page is written into the image: give freed heap back first.
+        gc.collect()
+        _malloc_trim()
         self.figures = {
             "pid": os.getpid(),
             "step": self.step,
             "reserved_before": reserved_before,
             "reserved_after": torch.cuda.memory_reserved() if cuda else 0,
             "allocated": torch.cuda.memory_allocated() if cuda else 0,
+            "host_anon_before": host_before,
+            "host_anon_after": _host_anon_bytes(),
             "trim_s": time.monotonic() - t0,
         }
         self.reached.set()
