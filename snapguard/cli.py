@@ -13,6 +13,8 @@ from ._config import ConfigError, load
 from .reasons import Reason
 
 EXIT_USAGE = 2
+TORCH_ARMS = ("snapshots", "expandable", "file", "container", "compile")
+DEFAULT_TORCH_ARMS = ("snapshots", "file", "container")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--workdir", metavar="DIR", help="keep containerd's root and the images here")
     dr.add_argument("--steps", type=int, default=200, help="torch: training steps per run (default 200)")
     dr.add_argument("--at", type=int, default=80, help="torch: snapshot after this step (default 80)")
+    dr.add_argument("--arms", default=",".join(DEFAULT_TORCH_ARMS), metavar="LIST",
+                    help="torch: comma-separated arms among " + ", ".join(TORCH_ARMS) +
+                         f" (default {','.join(DEFAULT_TORCH_ARMS)}; compile takes minutes of compiling)")
     return p
 
 
@@ -162,8 +167,14 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         if not 0 < args.at < args.steps:
             print("snapguard USAGE_ERROR: --at must be between 0 and --steps", file=sys.stderr)
             return EXIT_USAGE
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        unknown = [a for a in arms if a not in TORCH_ARMS]
+        if unknown or not arms:
+            print(f"snapguard USAGE_ERROR: --arms: unknown {', '.join(unknown) or '(empty)'}; choose among "
+                  f"{', '.join(TORCH_ARMS)}", file=sys.stderr)
+            return EXIT_USAGE
         return run_torch_drill(load(), args.workdir or tempfile.mkdtemp(prefix="snapguard-torch-"),
-                               steps=args.steps, at=args.at, json_path=args.json)
+                               steps=args.steps, at=args.at, json_path=args.json, arms=arms)
     from .drill import run_drill
 
     return run_drill(json_path=args.json, workdir=args.workdir)

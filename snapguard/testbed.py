@@ -1,4 +1,5 @@
-"""A private containerd whose runc is snapguard-runc, and the counter workload image.
+"""A private containerd whose runc is snapguard-runc, the counter workload image, and runc
+bundles whose rootfs is bind mounts of the host's own directories.
 
 Used by `snapguard drill`, the tests and the benchmarks: containerd runs in its own root with its
 own socket, so nothing of a node's real containerd is touched. The image is built locally from
@@ -20,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "DdpJob", "build_counter_image", "expected_hash"]
+__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "DdpJob", "build_counter_image", "expected_hash",
+           "host_bundle"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
 BUSYBOX = "/bin/busybox"
@@ -28,6 +30,7 @@ CTR = "/usr/bin/ctr"
 CONTAINERD = "/usr/bin/containerd"
 COUNTER_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "counter" / "counter.sh"
 MODULUS = 1_000_000_007
+RUNC = "/usr/sbin/runc"
 
 
 def expected_hash(i: int) -> int:
@@ -323,3 +326,49 @@ class DdpJob:
             errors += [f"rank {r} step {s}: {bits} != {want.get(s)}" for s, bits in sorted(got.items())
                        if set(bits) != set(want.get(s, []))][:5]
         return errors
+
+
+def host_bundle(bundle: Path, args: list[str], env: list[str], host_dirs: list[str], *,
+                writable: dict[str, str] | None = None, devices: list[str] | None = None,
+                runc: str = RUNC) -> Path:
+    """A runc bundle whose rootfs binds the host's own directories read-only (nothing pulled).
+
+    `writable` maps container paths to host directories bound read-write; `devices` are host
+    character devices (the GPU's /dev/nvidia*) bound at the same path and allowed in the device
+    cgroup. The container stays in the host's network namespace: gloo talks over loopback, and a
+    new namespace has lo down and would need iptables for CRIU's network lock.
+    """
+    rootfs = bundle / "rootfs"
+    for d in ["proc", "dev", "sys", "tmp", "run/snapguard/take"]:
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    binds: list[str] = []
+    for d in host_dirs:
+        if any(d == b or d.startswith(b.rstrip("/") + "/") for b in binds):
+            continue  # already inside a bound directory
+        inside = rootfs / d.lstrip("/")
+        inside.parent.mkdir(parents=True, exist_ok=True)
+        # merged-/usr hosts have /lib, /bin... as symlinks: the same links in the rootfs, real
+        # directories bound (CRIU cannot restore a bind mount of a symlink)
+        if os.path.islink(d):
+            if not inside.is_symlink():
+                inside.symlink_to(os.readlink(d))
+        elif os.path.isdir(d):
+            inside.mkdir(parents=True, exist_ok=True)
+            binds.append(d)
+    subprocess.run([runc, "spec", "--bundle", str(bundle)], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"]["readonly"] = False
+    spec["process"].update(terminal=False, cwd="/", args=args, env=env)
+    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]} for d in binds]
+    for inside_path, host in (writable or {}).items():
+        (rootfs / inside_path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        spec["mounts"].append({"destination": inside_path, "type": "bind", "source": host, "options": ["rbind", "rw"]})
+    allowed = spec["linux"]["resources"].setdefault("devices", [])
+    for dev in devices or []:
+        st = os.stat(dev)
+        spec["mounts"].append({"destination": dev, "type": "bind", "source": dev, "options": ["bind", "rw"]})
+        allowed.append({"allow": True, "type": "c", "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev),
+                        "access": "rwm"})
+    spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle

@@ -1,11 +1,18 @@
 """`snapguard drill --workload torch`: snapshots of a live PyTorch trainer, compared bit for bit.
 
-The examples/torch trainer runs uninterrupted as the reference; then with leave-running snapshots
-and with stop snapshots that are restored, each untrimmed and trimmed (the take point releases
-PyTorch's free reserve at a step boundary first); then the file-checkpoint baseline (torch.save +
-fsync + rename, and a cold resume from it). Loss bits are compared at every step and digests of
-parameters, optimizer and RNG state at the end. Needs root, an NVIDIA GPU, CRIU with its CUDA plugin
-and a cuda-checkpoint (NVIDIA's or snapguard's).
+The examples/torch trainer runs uninterrupted as the reference. Then the arms, each a fresh run:
+  snapshots   leave-running and stop + restore snapshots, each untrimmed and trimmed (the take
+              point releases PyTorch's free reserve at a step boundary first)
+  expandable  the trimmed arms with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, whose
+              emptied cache gives back partly used segments too
+  file        the baseline: torch.save + fsync + rename, and a cold resume from it
+  container   the trainer in a runc container (host directories bound, the GPU's device files
+              bound), a stop snapshot through snapguard-runc and a restore through it
+  compile     the trainer under torch.compile: a stop snapshot restored, against file resumes that
+              compile again (cold caches) and that find the reference's caches (warm)
+Loss bits are compared at every step and digests of parameters, optimizer and RNG state at the end.
+Needs root, an NVIDIA GPU, CRIU with its CUDA plugin and a cuda-checkpoint (NVIDIA's or snapguard's);
+the container arm needs snapguard-runc and the pinned runc.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 from ._config import Config
 from .bare import checkpoint_pid, restore_images
+from .cli import DEFAULT_TORCH_ARMS
 from .hooks import site_dir
 from .reasons import SnapguardError
 
@@ -39,8 +47,10 @@ class Trainer:
     steps: int
     trimmed: bool = False
     extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     launched_at: float = 0.0
+    restored_pid: int | None = None
 
     @property
     def log(self) -> Path:
@@ -54,7 +64,7 @@ class Trainer:
         for stale in (self.log, self.result, self.workdir / f"{self.name}.out"):
             if stale.exists():
                 raise RuntimeError(f"{stale} exists: a drill needs a fresh working directory")
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         if self.trimmed and take_dir:
             # the take point: no change to the trainer, only its environment
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [site_dir(), str(TRAIN.parent.parent.parent),
@@ -68,6 +78,29 @@ class Trainer:
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True)
         out.close()
         return self.proc.pid
+
+    def kill(self) -> None:
+        """After a failed arm: nothing of it keeps running into the next."""
+        for pid in (self.proc.pid if self.proc else None, self.restored_pid):
+            if pid:
+                try:
+                    os.killpg(pid, 9) if pid == getattr(self.proc, "pid", None) else os.kill(pid, 9)
+                except OSError:
+                    pass
+        if self.proc is not None:
+            self.proc.wait(timeout=60)
+
+    def first_step_after(self, moment: float, timeout: float = 300) -> tuple[int, str, float, int]:
+        """The first step logged after a moment (a restore's start), waited for."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            new = [r for r in self.rows() if r[2] > moment]
+            if new:
+                return new[0]
+            if self.restored_pid and not os.path.exists(f"/proc/{self.restored_pid}"):
+                raise RuntimeError(f"{self.name}: restored pid {self.restored_pid} exited without a new step")
+            time.sleep(0.005)
+        raise TimeoutError(f"{self.name} logged no step after the restore")
 
     def rows(self) -> list[tuple[int, str, float, int]]:
         """(step, loss bits, time, reserved bytes) per logged step."""
@@ -90,6 +123,8 @@ class Trainer:
                 return
             if self.proc is not None and self.proc.poll() is not None and not self.result.exists():
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}; see {self.name}.out")
+            if self.restored_pid and not os.path.exists(f"/proc/{self.restored_pid}") and not self.result.exists():
+                raise RuntimeError(f"{self.name} (pid {self.restored_pid}) exited; see {self.name}.out or .err")
             time.sleep(0.01)
         raise TimeoutError(f"{self.name} did not reach step {step}")
 
@@ -137,18 +172,42 @@ def _step_time(run: Trainer) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
+def _image_figures(images: str) -> dict[str, Any]:
+    """What the manifest says went into an image: per-process host and GPU memory, and the GPU."""
+    try:
+        manifest = json.loads((Path(images) / "snapguard-manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    procs = [p for p in manifest.get("processes", []) if isinstance(p, dict)]
+    gpu = manifest.get("gpu") or {}
+    return {"host_rss_bytes": sum(p.get("rss_bytes", 0) for p in procs),
+            "gpu_memory_bytes": sum(p.get("gpu_memory_bytes", 0) for p in procs),
+            "driver": gpu.get("driver_version"), "gpus": [g.get("name") for g in gpu.get("gpus", [])]}
+
+
 def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int,
-                 stop: bool, trimmed: bool) -> dict[str, Any]:
-    name = f"{'stop' if stop else 'leave-running'}-{'trimmed' if trimmed else 'untrimmed'}"
-    run = Trainer(base, name, steps, trimmed=trimmed)
+                 stop: bool, trimmed: bool, prefix: str = "", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    name = f"{prefix}{'stop' if stop else 'leave-running'}-{'trimmed' if trimmed else 'untrimmed'}"
+    run = Trainer(base, name, steps, trimmed=trimmed, extra=list(extra), env=env or {})
     pid = run.start(os.path.join(config.state_dir, "take"))
+    try:
+        return _snapshot(run, pid, base, config, ref, ref_result, at=at, stop=stop)
+    except BaseException:
+        run.kill()
+        raise
+
+
+def _snapshot(run: Trainer, pid: int, base: Path, config: Config, ref: Trainer, ref_result: dict[str, Any], *,
+              at: int, stop: bool) -> dict[str, Any]:
     run.wait_step(at)
-    images = str(base / f"{name}.img")
+    images = str(base / f"{run.name}.img")
     t_request = time.time()
     ck = checkpoint_pid(pid, images, config, leave_running=not stop, take_wait_s=10.0)
     t_image = time.time()
-    out: dict[str, Any] = {"arm": name, "snapshot_at_step": at, "image_bytes": ck["image_bytes"],
-                           "checkpoint": ck["timings"], "request_to_complete_image_s": t_image - t_request,
+    out: dict[str, Any] = {"arm": run.name, "snapshot_at_step": at, "image_bytes": ck["image_bytes"],
+                           "checkpoint": ck["timings"], "dump_marks": ck["criu_marks"],
+                           "request_to_complete_image_s": t_image - t_request, **_image_figures(images),
                            "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]]}
     if stop:
         assert run.proc is not None
@@ -156,11 +215,11 @@ def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str,
         last_before = run.rows()[-1][0]
         t_restore = time.time()
         rs = restore_images(images, config)
-        while not [r for r in run.rows() if r[2] > t_restore]:
-            time.sleep(0.005)
-        first_new = next(r for r in run.rows() if r[2] > t_restore)
-        out.update(restore=rs["timings"], restore_to_first_new_step_s=first_new[2] - t_restore,
-                   first_new_step=first_new[0], last_step_before=last_before)
+        run.restored_pid = rs["pid"]
+        first_new = run.first_step_after(t_restore)
+        out.update(restore=rs["timings"], restore_marks=rs["criu_marks"],
+                   restore_to_first_new_step_s=first_new[2] - t_restore, first_new_step=first_new[0],
+                   last_step_before=last_before)
         result = run.wait_done(pid=rs["pid"])
     else:
         result = run.wait_done()
@@ -170,25 +229,137 @@ def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str,
     return out
 
 
-def file_checkpoint_run(base: Path, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int) -> dict[str, Any]:
-    path = base / "file-ckpt.pt"
-    save = Trainer(base, "file-save", steps, extra=["--save-at", str(at), "--save-path", str(path)])
+def file_checkpoint_run(base: Path, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int,
+                        prefix: str = "", extra: tuple[str, ...] = (), save_env: dict[str, str] | None = None,
+                        resumes: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
+    """The baseline: a run that saves after step `at`, then one resume per entry of `resumes`
+    ({arm name: environment}); the first is the arm that carries the save's stall."""
+    path = base / f"{prefix}file-ckpt.pt"
+    save = Trainer(base, f"{prefix}file-save", steps, extra=[*extra, "--save-at", str(at), "--save-path", str(path)],
+                   env=save_env or {})
     save.start()
     save.wait_done()
     saved = [line.split() for line in save.log.read_text().splitlines() if line.startswith("saved ")]
-    resume = Trainer(base, "file-resume", steps, extra=["--resume", str(path)])
-    resume.start()
-    result = resume.wait_done()
-    first = next(r for r in resume.rows() if r[0] == at + 1)
-    cmp = compare(ref, resume, ref_result, result)
-    cmp["missing_steps"] = []  # steps before the checkpoint belong to the saving run
-    cmp["bit_identical"] = not cmp["loss_mismatches"] and cmp["digests_equal"]
-    return {"arm": "file-checkpoint", "snapshot_at_step": at, "image_bytes": path.stat().st_size,
-            "stall_s": float(saved[0][2]), "resume_to_first_new_step_s": first[2] - resume.launched_at, **cmp}
+    rows: list[dict[str, Any]] = []
+    for arm, env in (resumes or {f"{prefix}file-checkpoint": {}}).items():
+        resume = Trainer(base, f"{arm}-resume", steps, extra=[*extra, "--resume", str(path)], env=env)
+        resume.start()
+        result = resume.wait_done()
+        first = next(r for r in resume.rows() if r[0] == at + 1)
+        cmp = compare(ref, resume, ref_result, result)
+        cmp["missing_steps"] = []  # steps before the checkpoint belong to the saving run
+        cmp["bit_identical"] = not cmp["loss_mismatches"] and cmp["digests_equal"]
+        row = {"arm": arm, "snapshot_at_step": at, "image_bytes": path.stat().st_size,
+               "resume_to_first_new_step_s": first[2] - resume.launched_at, **cmp}
+        if not rows:
+            row["stall_s"] = float(saved[0][2])
+        rows.append(row)
+    return rows
+
+
+def _caches(base: Path, tag: str) -> dict[str, str]:
+    """Inductor's and Triton's caches of one run: a new tag is a cold compile."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(base / "caches" / tag / "inductor"),
+            "TRITON_CACHE_DIR": str(base / "caches" / tag / "triton")}
+
+
+def compile_arms(base: Path, config: Config, *, steps: int, at: int, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """torch.compile: restore to the first new step against file resumes that compile again."""
+    extra = (*extra, "--compile")
+    ref = Trainer(base, "compiled-reference", steps, extra=list(extra), env=_caches(base, "reference"))
+    ref.start()
+    ref_result = ref.wait_done()
+    first = ref.rows()[0]
+    rows: list[dict[str, Any]] = [{"arm": "compiled-reference", "image_bytes": 0, "bit_identical": True,
+                                   "launch_to_first_step_s": first[2] - ref.launched_at,
+                                   "step_time_s": _step_time(ref)}]
+    # One compile thread: inductor's worker pool would be processes of the snapshot's tree
+    snap_env = {**_caches(base, "snapshot"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    rows.append(snapshot_run(base, config, ref, ref_result, steps=steps, at=at, stop=True, trimmed=True,
+                             prefix="compiled-", extra=extra, env=snap_env))
+    rows += file_checkpoint_run(base, ref, ref_result, steps=steps, at=at, prefix="compiled-", extra=extra,
+                                save_env=_caches(base, "save"),
+                                resumes={"compiled-file-checkpoint": _caches(base, "resume-cold"),
+                                         "compiled-file-resume-warm-cache": _caches(base, "reference")})
+    return rows
+
+
+CONTAINER_ENV_PREFIXES = ("LD_LIBRARY_PATH", "CUDA_", "NVIDIA_", "NCCL_", "TORCH_", "NVSHMEM_")
+
+
+def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str, Any], *, steps: int,
+                  at: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The trainer in a runc container, a stop snapshot and a restore, both through snapguard-runc."""
+    import glob
+    import stat
+
+    from .drill import _snapguard_runc
+    from .testbed import host_bundle
+
+    executor = _snapguard_runc()
+    out = base / "container-out"
+    out.mkdir()
+    run = Trainer(out, "container", steps, trimmed=True)
+    repo = str(TRAIN.parent.parent.parent)
+    devices = [d for d in sorted(glob.glob("/dev/nvidia*")) if stat.S_ISCHR(os.stat(d).st_mode)]
+    env = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(CONTAINER_ENV_PREFIXES)]
+    env += ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "PYTHONUNBUFFERED=1",
+            f"PYTHONPATH={site_dir()}:{repo}", "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
+    args = [sys.executable, str(TRAIN), "--steps", str(steps), "--log", "/out/container.log",
+            "--result", "/out/container.result.json", "--stderr", "/out/container.err", *extra]
+    host_dirs = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, sys.prefix, repo]
+    bundle = host_bundle(base / "bundle", args, env, host_dirs, writable={"/out": str(out)}, devices=devices,
+                         runc=config.runc)
+    root, cid = str(base / "runc-root"), "snapguard-torch-drill"
+    sg = [executor, "--root", root]
+
+    def call(*argv: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*sg, *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=300, check=False, **kw)
+        if done.returncode != 0:
+            raise RuntimeError(f"snapguard-runc {argv[0]} exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        return done
+
+    # stdio /dev/null, as containerd's null IO: a file opened on the host is outside the container's
+    # mounts and CRIU cannot dump it; the trainer opens its own stderr file in /out
+    run.launched_at = time.time()
+    runc_log = base / "runc-run.log"
+    rc = subprocess.run([executor, "--root", root, "--log", str(runc_log), "run", "--detach", "--bundle", str(bundle),
+                         cid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        timeout=120, check=False).returncode
+    if rc != 0:
+        tail = runc_log.read_text(errors="replace")[-800:] if runc_log.exists() else ""
+        raise RuntimeError(f"snapguard-runc run exited {rc}: {tail.strip()}")
+    try:
+        run.restored_pid = int(json.loads(call("state", cid).stdout)["pid"])
+        run.wait_step(at)
+        t_request = time.time()
+        call("checkpoint", "--image-path", str(base / "container.img"), "--work-path", str(base / "container-dump"),
+             cid)
+        t_image = time.time()
+        ck = json.loads((base / "container-dump" / "snapguard-result.json").read_text())
+        last_before = run.rows()[-1][0]
+        t_restore = time.time()
+        call("restore", "--image-path", str(base / "container.img"), "--work-path",
+             str(base / "container-restore"), "--bundle", str(bundle), "--detach", cid)
+        rs = json.loads((base / "container-restore" / "snapguard-result.json").read_text())
+        run.restored_pid = rs["pid"]
+        first_new = run.first_step_after(t_restore)
+        result = run.wait_done(pid=rs["pid"])
+    finally:
+        subprocess.run([config.runc, "--root", root, "delete", "--force", cid], capture_output=True, check=False)
+    row = {"arm": "container-stop-trimmed", "snapshot_at_step": at, "image_bytes": ck["image_bytes"],
+           "request_to_complete_image_s": t_image - t_request, "dump_marks": ck.get("criu_marks"),
+           "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]],
+           **_image_figures(str(base / "container.img")),
+           "restore_marks": rs.get("criu_marks"), "restore_to_first_new_step_s": first_new[2] - t_restore,
+           "first_new_step": first_new[0], "last_step_before": last_before, "devices": devices}
+    row.update(compare(ref, run, ref_result, result))
+    return row
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'arm':<24} {'image GB':>8} {'stall s':>8} {'req->image s':>12} {'restore->step s':>15} "
+    head = (f"{'arm':<32} {'image GB':>8} {'stall s':>8} {'req->image s':>12} {'restore->step s':>15} "
             f"{'bit-identical':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -196,44 +367,98 @@ def _table(rows: list[dict[str, Any]]) -> str:
             v = r.get(key)
             return f"{v:>{width}.2f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
         first = r.get("restore_to_first_new_step_s", r.get("resume_to_first_new_step_s"))
-        lines.append(f"{r['arm']:<24} {r.get('image_bytes', 0) / 1e9:>8.2f} {fmt('stall_s', 8)} "
+        lines.append(f"{r['arm']:<32} {r.get('image_bytes', 0) / 1e9:>8.2f} {fmt('stall_s', 8)} "
                      f"{fmt('request_to_complete_image_s', 12)} "
                      f"{(f'{first:>15.2f}' if isinstance(first, float) else f'{chr(45):>15}')} "
                      f"{'yes' if r.get('bit_identical') else 'NO':>13}")
     return "\n".join(lines)
 
 
+def _arm_failure(arm: str, e: BaseException) -> dict[str, Any]:
+    failure = e.failure.to_dict() if isinstance(e, SnapguardError) else {"error": f"{type(e).__name__}: {e}"}
+    print(f"torch drill: {arm}: {e}", file=sys.stderr)
+    return {"arm": arm, "failed": True, "failure": failure}
+
+
 def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int = 80,
-                    json_path: str | None = None, arms: tuple[str, ...] = ("snapshots", "file")) -> int:
+                    json_path: str | None = None, arms: tuple[str, ...] = DEFAULT_TORCH_ARMS,
+                    trainer_args: tuple[str, ...] = ()) -> int:
+    """Run the arms; `trainer_args` go to every trainer (the tests' small CPU model)."""
     base = Path(workdir)
     base.mkdir(parents=True, exist_ok=True)
     if any(base.iterdir()):
         print(f"snapguard USAGE_ERROR: {base} is not empty: earlier logs would be read as this drill's",
               file=sys.stderr)
         return 2
-    ref = Trainer(base, "reference", steps)
-    ref.start()
-    ref_result = ref.wait_done()
-    rows: list[dict[str, Any]] = [{"arm": "reference", "image_bytes": 0, "bit_identical": True,
-                                   "step_time_s": _step_time(ref)}]
-    try:
+    rows: list[dict[str, Any]] = []
+
+    def record(new: dict[str, Any] | list[dict[str, Any]]) -> None:
+        for row in new if isinstance(new, list) else [new]:
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+
+    plain = [a for a in arms if a != "compile"]
+    if plain:
+        ref = Trainer(base, "reference", steps, extra=list(trainer_args))
+        ref.start()
+        ref_result = ref.wait_done()
+        record({"arm": "reference", "image_bytes": 0, "bit_identical": True, "step_time_s": _step_time(ref),
+                "launch_to_first_step_s": ref.rows()[0][2] - ref.launched_at})
+        expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        runs: list[tuple[str, Any]] = []
         if "snapshots" in arms:
-            for stop in (False, True):
-                for trimmed in (False, True):
-                    rows.append(snapshot_run(base, config, ref, ref_result, steps=steps, at=at, stop=stop,
-                                             trimmed=trimmed))
-                    print(json.dumps(rows[-1], default=str), flush=True)
+            runs += [(f"{'stop' if stop else 'leave-running'}-{'trimmed' if trim else 'untrimmed'}",
+                      lambda stop=stop, trim=trim: snapshot_run(base, config, ref, ref_result, steps=steps, at=at,
+                                                                stop=stop, trimmed=trim, extra=trainer_args))
+                     for stop in (False, True) for trim in (False, True)]
+        if "expandable" in arms:
+            runs += [(f"expandable-{'stop' if stop else 'leave-running'}-trimmed",
+                      lambda stop=stop: snapshot_run(base, config, ref, ref_result, steps=steps, at=at, stop=stop,
+                                                     trimmed=True, prefix="expandable-", env=expandable,
+                                                     extra=trainer_args))
+                     for stop in (False, True)]
         if "file" in arms:
-            rows.append(file_checkpoint_run(base, ref, ref_result, steps=steps, at=at))
-            print(json.dumps(rows[-1], default=str), flush=True)
-    except (SnapguardError, RuntimeError, TimeoutError) as e:
-        failure = e.failure.to_dict() if isinstance(e, SnapguardError) else {"error": str(e)}
-        print(f"torch drill: {e}", file=sys.stderr)
-        rows.append({"arm": "failed", "failure": failure})
-    print(_table([r for r in rows if r["arm"] != "failed"]))
+            runs.append(("file-checkpoint", lambda: file_checkpoint_run(base, ref, ref_result, steps=steps, at=at,
+                                                                          extra=trainer_args)))
+        if "container" in arms:
+            runs.append(("container-stop-trimmed",
+                         lambda: container_run(base, config, ref, ref_result, steps=steps, at=at,
+                                               extra=trainer_args)))
+        for arm, go in runs:
+            try:
+                record(go())
+            except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+                record(_arm_failure(arm, e))
+    if "compile" in arms:
+        try:
+            record(compile_arms(base, config, steps=steps, at=at, extra=trainer_args))
+        except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+            record(_arm_failure("compile", e))
+    print(_table([r for r in rows if not r.get("failed")]))
+    for r in rows:
+        if r.get("failed"):
+            why = " ".join(str(r["failure"].get(k, "")) for k in ("reason", "message", "error")).split()
+            print(f"{r['arm']}: FAILED: {' '.join(why)[:400]}")
+    summary = _compile_summary(rows)
+    if summary:
+        print(f"torch.compile: restore to first new step {summary['restore_s']:.2f} s; file resume that compiles "
+              f"again {summary['cold_resume_s']:.2f} s ({summary['speedup_cold']:.1f}x), with warm caches "
+              f"{summary['warm_resume_s']:.2f} s ({summary['speedup_warm']:.1f}x)")
     ok = all(r.get("bit_identical") for r in rows)
     if json_path:
-        Path(json_path).write_text(json.dumps({"ok": ok, "steps": steps, "snapshot_at": at, "rows": rows},
-                                              indent=2, default=str) + "\n")
+        Path(json_path).write_text(json.dumps({"ok": ok, "steps": steps, "snapshot_at": at, "arms": list(arms),
+                                               "compile": summary, "rows": rows}, indent=2, default=str) + "\n")
     print("torch drill: PASS" if ok else "torch drill: FAIL")
     return 0 if ok else 1
+
+
+def _compile_summary(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    by_arm = {r["arm"]: r for r in rows if not r.get("failed")}
+    try:
+        restore = by_arm["compiled-stop-trimmed"]["restore_to_first_new_step_s"]
+        cold = by_arm["compiled-file-checkpoint"]["resume_to_first_new_step_s"]
+        warm = by_arm["compiled-file-resume-warm-cache"]["resume_to_first_new_step_s"]
+    except KeyError:
+        return None
+    return {"restore_s": restore, "cold_resume_s": cold, "warm_resume_s": warm,
+            "speedup_cold": cold / restore, "speedup_warm": warm / restore}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.hooks import site_dir
-from snapguard.testbed import DdpJob
+from snapguard.testbed import DdpJob, host_bundle
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
@@ -24,35 +24,11 @@ HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix,
 
 
 def make_bundle(tmp_path: Path, out: Path) -> Path:
-    bundle = tmp_path / "bundle"
-    rootfs = bundle / "rootfs"
-    for d in ["proc", "dev", "sys", "tmp", "run/snapguard/take", "out"]:
-        (rootfs / d).mkdir(parents=True, exist_ok=True)
-    # merged-/usr hosts have /lib, /bin... as symlinks: the same links in the rootfs, real
-    # directories bound (CRIU cannot restore a bind mount of a symlink)
-    binds = []
-    for d in HOST_DIRS:
-        inside = rootfs / d.lstrip("/")
-        inside.parent.mkdir(parents=True, exist_ok=True)
-        if os.path.islink(d):
-            inside.symlink_to(os.readlink(d))
-        elif os.path.isdir(d):
-            inside.mkdir(parents=True, exist_ok=True)
-            binds.append(d)
-    subprocess.run(["/usr/sbin/runc", "spec", "--bundle", str(bundle)], check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"]["readonly"] = False
-    spec["process"].update(terminal=False, cwd="/", args=[
-        sys.executable, str(REPO / "examples" / "ddp" / "launch.py"), "--world", "1", "--out", "/out",
-        "--steps", str(STEPS)])
-    spec["process"]["env"] = ["PATH=/usr/bin:/bin", "HOME=/root", "PYTHONWARNINGS=ignore",
-                              f"PYTHONPATH={site_dir()}:{REPO}", "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
-    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]} for d in binds]
-    spec["mounts"].append({"destination": "/out", "type": "bind", "source": str(out), "options": ["rbind", "rw"]})
-    # gloo talks over loopback: stay in the host's network namespace (a new one has lo down)
-    spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
-    (bundle / "config.json").write_text(json.dumps(spec))
-    return bundle
+    args = [sys.executable, str(REPO / "examples" / "ddp" / "launch.py"), "--world", "1", "--out", "/out",
+            "--steps", str(STEPS)]
+    env = ["PATH=/usr/bin:/bin", "HOME=/root", "PYTHONWARNINGS=ignore", f"PYTHONPATH={site_dir()}:{REPO}",
+           "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
+    return host_bundle(tmp_path / "bundle", args, env, HOST_DIRS, writable={"/out": str(out)})
 
 
 @pytest.fixture(scope="module")

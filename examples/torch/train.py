@@ -76,22 +76,25 @@ def digest(obj: object) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def state_digests(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+def rng_states(device: str) -> dict[str, torch.Tensor]:
+    return {"rng": torch.get_rng_state(), **({"cuda_rng": torch.cuda.get_rng_state()} if device == "cuda" else {})}
+
+
+def state_digests(model: nn.Module, opt: torch.optim.Optimizer, device: str) -> dict[str, str]:
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return {
         "params": digest({k: cpu(v) for k, v in model.state_dict().items()}),
         "optimizer": digest({k: {n: cpu(t) if torch.is_tensor(t) else t for n, t in s.items()}
                              for k, s in opt.state_dict()["state"].items()}),
-        "rng": digest({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state()}),
+        "rng": digest(rng_states(device)),
     }
 
 
-def save_file_checkpoint(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> float:
+def save_file_checkpoint(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer, device: str) -> float:
     t0 = time.perf_counter()
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
-                    "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()}, f)
+        torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(), **rng_states(device)}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -105,16 +108,23 @@ def main() -> None:
     ap.add_argument("--log", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu runs the drill's machinery where there is no GPU (with a small --width/--layers)")
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--save-at", type=int, default=0, help="write a file checkpoint after this step")
     ap.add_argument("--save-path")
     ap.add_argument("--resume", help="continue from a file checkpoint")
+    ap.add_argument("--stderr", help="append stderr to this file (in a container whose stdio is /dev/null)")
     args = ap.parse_args()
+    if args.stderr:
+        os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
     t_start = time.time()
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    device = "cuda"
-    model = GPT().to(device)
+    device = args.device
+    model = GPT(d=args.width, layers=args.layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     fwd = torch.compile(model) if args.compile else model
     first = 1
@@ -123,24 +133,26 @@ def main() -> None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         torch.set_rng_state(ck["rng"].cpu())  # map_location moved the RNG states to the GPU too
-        torch.cuda.set_rng_state(ck["cuda_rng"].cpu())
+        if device == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"].cpu())
         first = ck["step"] + 1
     log = open(args.log, "a", buffering=1)
     log.write(f"start {os.getpid()} {t_start:.6f} {time.time():.6f} "
               f"{sum(p.numel() for p in model.parameters())}\n")
     for step in range(first, args.steps + 1):
         x, y = batch(step, args.batch, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = F.cross_entropy(fwd(x).float().view(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         bits = struct.pack(">f", loss.item()).hex()
-        log.write(f"step {step} {bits} {time.time():.6f} {torch.cuda.memory_reserved()}\n")
+        reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
+        log.write(f"step {step} {bits} {time.time():.6f} {reserved}\n")
         if step == args.save_at and args.save_path:
-            log.write(f"saved {step} {save_file_checkpoint(args.save_path, step, model, opt):.6f}\n")
+            log.write(f"saved {step} {save_file_checkpoint(args.save_path, step, model, opt, device):.6f}\n")
     with open(args.result + ".tmp", "w") as f:
-        json.dump({"steps": args.steps, **state_digests(model, opt)}, f)
+        json.dump({"steps": args.steps, **state_digests(model, opt, device)}, f)
     os.replace(args.result + ".tmp", args.result)
 
 
