@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Any
 
-from . import criu, image
+from . import criu, gpu_suspend, image
 from ._config import Config
 from ._files import ensure_private_dir
 from ._host import process_state
@@ -19,7 +19,7 @@ from .preflight import host as host_checks_module
 from .preflight._report import Report
 from .reasons import Finding, Reason, SnapguardError
 
-__all__ = ["checkpoint_pid", "restore_images", "recover_cuda"]
+__all__ = ["checkpoint_pid", "restore_images"]
 
 
 def _env(config: Config, device_map: list[tuple[str, str]] | None = None) -> dict[str, str]:
@@ -42,27 +42,6 @@ def _device_map(report: Report, config: Config) -> list[tuple[str, str]] | None:
                              "plugin; install snapguard-cuda-checkpoint at the pinned path",
                              evidence={"device_map": pairs, "cuda_checkpoint": tool})
     return [(old, new) for old, new in pairs]
-
-
-def recover_cuda(pids: list[int]) -> dict[int, str]:
-    """After a failed snapshot: every CUDA pid back to running. {pid: outcome}."""
-    from . import cuda
-
-    outcomes = {}
-    try:
-        driver = cuda.load()
-    except OSError as e:
-        return {pid: f"driver not loadable: {e}" for pid in pids}
-    for pid in pids:
-        if not os.path.exists(f"/proc/{pid}"):
-            outcomes[pid] = "gone"
-            continue
-        try:
-            found, left = cuda.recover(driver, pid)
-            outcomes[pid] = "running" if found == "running" else f"recovered from {found}"
-        except cuda.CudaError as e:
-            outcomes[pid] = f"wedged: {e}"
-    return outcomes
 
 
 def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
@@ -88,13 +67,18 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     figures, warnings, take_s = take.hold(found, cuda_pids, take_wait_s)
     ensure_private_dir(images)
     t0 = time.monotonic()
+    try:
+        suspend_s = gpu_suspend.suspend(cuda_pids, config.criu_timeout_s)
+    except SnapguardError:
+        take.release_all(found)
+        raise
     argv = criu.dump_argv(config.criu, pid, images, images, leave_running=leave_running,
                           tcp_established=tcp_established, libdir=config.criu_libdir, network_lock=network_lock)
     rc = subprocess.run(argv, env=_env(config), stdin=subprocess.DEVNULL, check=False).returncode
     dump_s = time.monotonic() - t0
     if rc != 0:
         errors = criu.read_log_errors(os.path.join(images, "dump.log"))
-        outcomes = recover_cuda(cuda_pids)
+        outcomes = gpu_suspend.resume(cuda_pids)
         take.release_all(found)
         intact = os.path.exists(f"/proc/{pid}") and not any(o.startswith("wedged") for o in outcomes.values())
         raise SnapguardError(Reason.CRIU_DUMP_FAILED,
@@ -105,8 +89,8 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
                                                   for e in errors]},
                              warnings=report.warnings + warnings)
     if leave_running:
-        take.release_all(found)  # the dump is on disk: the trainer need not wait for the seal
-        outcomes = recover_cuda(cuda_pids)  # the plugin unlocks; verify, and repair if it did not
+        outcomes = gpu_suspend.resume(cuda_pids)  # restore and unlock: the dump is on disk
+        take.release_all(found)  # the trainer need not wait for the seal
         wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
         if wedged:
             raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
@@ -118,6 +102,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
         "bare": True,
         "own_netns": own_netns,
         "network_lock": network_lock,
+        "tcp_connections": len(conns),
         "leave_running": leave_running,
         "criu_version": report.facts["criu_version"],
         "host": report.facts["host"],
@@ -129,7 +114,8 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     return {
         "ok": True, "operation": "checkpoint", "pid": pid, "images": images, "leave_running": leave_running,
         "cuda_pids": cuda_pids, "image_bytes": manifest["image_bytes"],
-        "timings": {"preflight_s": preflight_s, "take_s": take_s, "dump_s": dump_s, "seal_s": seal_s,
+        "timings": {"preflight_s": preflight_s, "take_s": take_s, "cuda_suspend_s": suspend_s, "dump_s": dump_s,
+                    "seal_s": seal_s,
                     "total_s": time.monotonic() - t_start},
         "criu_marks": criu.log_marks(os.path.join(images, "dump.log")),
         "take_point": figures, "warnings": [w.to_dict() for w in report.warnings + warnings],

@@ -3,7 +3,7 @@ bit-identical to an uninterrupted reference run.
 
 Faults, in one trainer run:
   1. copy fails: the image directory is a 64 MiB tmpfs, CRIU's page dump hits ENOSPC after the
-     CUDA plugin locked and checkpointed the process -> CRIU_DUMP_FAILED, process recovered;
+     executor locked and checkpointed the process -> CRIU_DUMP_FAILED, process recovered;
   2. the driver-API path fails after checkpoint: lock + checkpoint through cuda-checkpoint, then
      the (simulated) copy fails -> snapguard.cuda.recover restores and unlocks;
   3. CRIU killed (SIGKILL) once the GPU state is checkpointed, the process left behind checkpointed
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from snapguard import criu, cuda
 from snapguard._config import load
-from snapguard.bare import checkpoint_pid, recover_cuda
+from snapguard.bare import checkpoint_pid
+from snapguard.gpu_suspend import resume as recover_cuda
 from snapguard.reasons import SnapguardError
 from snapguard.torch_drill import Trainer, compare
 

@@ -97,8 +97,10 @@ def manifest_report(path: str, config: Config, criu: str | None = None) -> Repor
     report.checks.append(CheckResult("image"))
     report.facts["manifest"] = manifest
     uses_gpu = any(p.get("gpu") for p in manifest.get("processes", []) if isinstance(p, dict))
-    # a tree dumped from the host's own network namespace needs no network lock to restore
-    host_checks(report, config, gpu_required=uses_gpu, criu=criu, network_lock=manifest.get("own_netns") is not False)
+    # a tree dumped in the host's network namespace needs a lock only for its TCP connections
+    needs_lock = manifest.get("own_netns") is not False or (
+        bool(manifest.get("tcp_connections")) and manifest.get("network_lock") != "skip")
+    host_checks(report, config, gpu_required=uses_gpu, criu=criu, network_lock=needs_lock)
     report.run("image-vs-host", lambda: image.compare_with_host(
         manifest, {**report.facts["host"], "mem_available": mem_available_bytes()},
         str(report.facts.get("criu_version", "unknown"))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import criu, image
+from .. import criu, gpu_suspend, image
 from .._config import Config
 from .._files import ensure_private_dir
 from ..hooks import take
@@ -30,31 +30,49 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
     criu_bin = criu_path(opts, config)
     report = Report(f"container {sub.container_id}")
     inventory = workload.inventory(tree)
-    host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin)
+    own_netns = workload.own_netns(int(state["pid"]))
+    # CRIU locks a namespace of the container's own, or each established connection in the host's,
+    # with iptables; a container in the host's namespace with no connections needs no lock
+    tcp = workload.tree_tcp(inventory) if sub.flag("tcp-established") else []
+    host_checks(report, config, gpu_required=inventory.uses_gpu, criu=criu_bin, network_lock=own_netns or bool(tcp))
     workload.run_checks(report, inventory, tcp_established=sub.flag("tcp-established"), trainers=found)
     report.raise_blockers()
-    figures, take_warnings, _ = take.hold(found, [p.pid for p in inventory.cuda_processes()], config.take_wait_s)
+    cuda_pids = [p.pid for p in inventory.cuda_processes()]
+    figures, take_warnings, _ = take.hold(found, cuda_pids, config.take_wait_s)
 
     ensure_private_dir(sub.image_path)
     os.makedirs(sub.work_path, mode=0o700, exist_ok=True)
+    try:
+        gpu_suspend.suspend(cuda_pids, config.criu_timeout_s)
+    except SnapguardError:
+        take.release_all(found)
+        raise
     rc = run_real(runc_command(runc, args, opts, config), prepared_env(config, criu_bin))
-    if rc != 0 or sub.flag("leave-running"):
-        take.release_all(found)  # the image is on disk, or there is none: the workload goes on
+    goes_on = rc != 0 or sub.flag("leave-running")  # the image is on disk, or there is none
+    outcomes = gpu_suspend.resume(cuda_pids) if goes_on else {}
+    if goes_on:
+        take.release_all(found)
     if rc != 0:
         log = os.path.join(sub.work_path, "dump.log")
         errors = criu.read_log_errors(log)
-        alive = os.path.exists(f"/proc/{state['pid']}")
+        alive = os.path.exists(f"/proc/{state['pid']}") and not any(o.startswith("wedged") for o in outcomes.values())
         quoted = "; ".join(str(e) for e in errors) or f"runc exited {rc}, no CRIU error in {log}"
         raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted, workload_intact=alive,
                              evidence={"container": sub.container_id, "runc_exit": rc, "log": log,
+                                       "cuda_recovery": outcomes,
                                        "errors": [{"where": e.where, "message": e.message, "context": e.context}
                                                   for e in errors]},
                              warnings=report.warnings + take_warnings)
+    wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
+    if wedged:
+        raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
+                             evidence={"container": sub.container_id, "cuda_recovery": outcomes})
     try:
         manifest = image.seal(sub.image_path, {
             "container_id": sub.container_id,
             "leave_running": sub.flag("leave-running"),
-            "own_netns": workload.own_netns(int(state["pid"])),
+            "own_netns": own_netns,
+            "tcp_connections": len(tcp),
             "criu_version": report.facts["criu_version"],
             "host": report.facts["host"],
             "processes": inventory.summary(),
