@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -328,6 +329,23 @@ class DdpJob:
         return errors
 
 
+def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    with open(mountinfo) as f:
+        # the fifth field, with mountinfo's octal escapes (\040 for a space) decoded
+        return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
+
+
+def _with_submounts(dirs: list[str]) -> list[str]:
+    """The directories, each followed by the mount points below it, parents before children."""
+    points = _mount_points()
+    out: list[str] = []
+    for d in dirs:
+        below = sorted({m for m in points if m.startswith(d.rstrip("/") + "/") and os.path.exists(m)},
+                       key=lambda m: (m.count("/"), m))
+        out += [d, *below]
+    return out
+
+
 def host_bundle(bundle: Path, args: list[str], env: list[str], host_dirs: list[str], *,
                 writable: dict[str, str] | None = None, devices: list[str] | None = None,
                 runc: str = RUNC) -> Path:
@@ -359,7 +377,11 @@ def host_bundle(bundle: Path, args: list[str], env: list[str], host_dirs: list[s
     spec = json.loads((bundle / "config.json").read_text())
     spec["root"]["readonly"] = False
     spec["process"].update(terminal=False, cwd="/", args=args, env=env)
-    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]} for d in binds]
+    # Each mount under a bound directory (the driver's /usr/local/nvidia on the GPU machines) gets
+    # a bind of its own: runc hands CRIU every spec bind as external, while a recursive bind's
+    # submounts would be dumped, and CRIU cannot dump every filesystem.
+    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["bind", "ro"]}
+                       for d in _with_submounts(binds)]
     for inside_path, host in (writable or {}).items():
         (rootfs / inside_path.lstrip("/")).mkdir(parents=True, exist_ok=True)
         spec["mounts"].append({"destination": inside_path, "type": "bind", "source": host, "options": ["rbind", "rw"]})
