@@ -1,7 +1,8 @@
 """Issue 5 on the lent GPUs: 2 ranks (torch.distributed with gloo; on one GPU they share it, on two
 each has its own), held at one common step by the take point, locked and checkpointed together by
-CRIU's CUDA plugin as one tree, restored, and compared bit for bit with an uninterrupted reference
-run. With --nccl also a 2-rank NCCL job, which preflight must refuse with NCCL_UNSUPPORTED."""
+the executor (every rank locked before any is checkpointed), dumped by CRIU as one tree, restored,
+and compared bit for bit with an uninterrupted reference run. With --nccl also a 2-rank NCCL job,
+which preflight must refuse with NCCL_UNSUPPORTED."""
 
 from __future__ import annotations
 
