@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "DdpJob", "build_counter_image", "expected_hash",
-           "host_bundle"]
+           "host_bundle", "release_mounts"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
 BUSYBOX = "/bin/busybox"
@@ -335,6 +335,18 @@ def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
         return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
 
 
+def release_mounts(path: Path) -> list[str]:
+    """Lazily unmount every mount at or below `path`, deepest first; the mount points released.
+
+    A bundle's rootfs can be left with mounts after a restore; removing the directory tree then
+    would go through them into the host's own directories."""
+    top = str(path).rstrip("/")
+    below = [m for m in _mount_points() if m == top or m.startswith(top + "/")]
+    for m in sorted(below, key=lambda m: m.count("/"), reverse=True):
+        subprocess.run(["umount", "-l", m], capture_output=True, check=False)
+    return below
+
+
 def _with_submounts(dirs: list[str]) -> list[str]:
     """The directories, each followed by the mount points below it, parents before children."""
     points = _mount_points()
@@ -360,7 +372,9 @@ def host_bundle(bundle: Path, args: list[str], env: list[str], host_dirs: list[s
     for d in ["proc", "dev", "sys", "tmp", "run/snapguard/take"]:
         (rootfs / d).mkdir(parents=True, exist_ok=True)
     binds: list[str] = []
-    for d in host_dirs:
+    # parents first, so a directory inside another bound one (a venv inside the repository) is
+    # skipped: runc restore mounts such nested binds in the host's namespace and leaves them there
+    for d in sorted(host_dirs, key=lambda p: p.rstrip("/").count("/")):
         if any(d == b or d.startswith(b.rstrip("/") + "/") for b in binds):
             continue  # already inside a bound directory
         inside = rootfs / d.lstrip("/")

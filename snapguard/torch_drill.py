@@ -294,7 +294,7 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     import stat
 
     from .drill import _snapguard_runc
-    from .testbed import host_bundle
+    from .testbed import host_bundle, release_mounts
 
     executor = _snapguard_runc()
     out = base / "container-out"
@@ -348,6 +348,7 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
         result = run.wait_done(pid=rs["pid"])
     finally:
         subprocess.run([config.runc, "--root", root, "delete", "--force", cid], capture_output=True, check=False)
+        release_mounts(bundle)
     row = {"arm": "container-stop-trimmed", "snapshot_at_step": at, "image_bytes": ck["image_bytes"],
            "request_to_complete_image_s": t_image - t_request, "dump_marks": ck.get("criu_marks"),
            "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]],

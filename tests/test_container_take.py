@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.hooks import site_dir
-from snapguard.testbed import DdpJob, host_bundle
+from snapguard.testbed import DdpJob, host_bundle, release_mounts
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
@@ -69,4 +68,4 @@ def test_executor_holds_container_at_take_point(leave_running: bool, tmp_path: P
         assert job.mismatches(reference) == []
     finally:
         subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
-        shutil.rmtree(bundle / "rootfs" / "tmp", ignore_errors=True)
+        release_mounts(bundle)

@@ -43,6 +43,9 @@ def test_drill_arms_bit_identical_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     assert rows["leave-running-trimmed"]["stall_s"] >= 0
     assert rows["file-checkpoint"]["stall_s"] > 0 and rows["file-checkpoint"]["bit_identical"]
     assert "torch drill: PASS" in printed
+    # nothing stays mounted in the drill's directory: removing it must not reach the host
+    with open("/proc/self/mountinfo") as f:
+        assert not [line for line in f if str(tmp_path) in line]
 
 
 def test_drill_refuses_a_used_workdir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
