@@ -1,13 +1,39 @@
-"""snapguard's take point, loaded at interpreter start through PYTHONPATH (see snapguard.hooks)."""
+"""snapguard's take point, loaded at interpreter start through PYTHONPATH (see snapguard.hooks).
+
+Python imports one `sitecustomize`: the first on sys.path. This one, first through PYTHONPATH,
+would hide the distribution's, a venv's or the workload's own, so it runs that one after itself.
+"""
 
 import os
+import sys
 
-if os.environ.get("SNAPGUARD_TAKE_DIR"):
+
+def _start_take_point() -> None:
     try:
         from snapguard.hooks import _workload
 
         _workload.start(os.environ["SNAPGUARD_TAKE_DIR"])
     except Exception as e:  # the trainer must start even when the hook cannot
-        import sys
-
         print(f"snapguard take point disabled: {e}", file=sys.stderr)
+
+
+def _chain() -> None:
+    """Run the sitecustomize this one shadows, as site would have; its errors are reported as
+    site reports them, in one line, and the interpreter goes on."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.realpath(__file__))
+    rest = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        if spec is None or spec.loader is None:
+            return
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as e:
+        print(f"Error in sitecustomize (chained by snapguard); {type(e).__name__}: {e}", file=sys.stderr)
+
+
+if os.environ.get("SNAPGUARD_TAKE_DIR"):
+    _start_take_point()
+_chain()
