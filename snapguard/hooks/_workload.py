@@ -8,8 +8,8 @@ unix socket for one request per connection:
   take-at <S> <s>   -> hold at the end of step S (a step every rank of a job reaches: no rank is
                        left inside a collective that waits for a held one)
   release           -> go on
-While held, the trainer's own thread has synchronised and emptied PyTorch's cache, and makes no
-CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot hold it
+While held, the trainer's own thread has synchronised, emptied PyTorch's device and pinned host
+caches and trimmed the C heap, and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot hold it
 forever.
 """
 
