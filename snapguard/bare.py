@@ -80,7 +80,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
         errors = criu.read_log_errors(os.path.join(images, "dump.log"))
         outcomes = gpu_suspend.resume(cuda_pids)
         take.release_all(found)
-        intact = os.path.exists(f"/proc/{pid}") and not any(o.startswith("wedged") for o in outcomes.values())
+        intact = os.path.exists(f"/proc/{pid}") and not gpu_suspend.wedged(outcomes)
         raise SnapguardError(Reason.CRIU_DUMP_FAILED,
                              "; ".join(str(e) for e in errors) or f"criu dump exited {rc}",
                              workload_intact=intact,
@@ -91,7 +91,7 @@ def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool
     if leave_running:
         outcomes = gpu_suspend.resume(cuda_pids)  # restore and unlock: the dump is on disk
         take.release_all(found)  # the trainer need not wait for the seal
-        wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
+        wedged = gpu_suspend.wedged(outcomes)
         if wedged:
             raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
                                  evidence={"cuda_recovery": outcomes})

@@ -14,7 +14,7 @@ import time
 
 from .reasons import Reason, SnapguardError
 
-__all__ = ["resume", "suspend"]
+__all__ = ["resume", "suspend", "wedged"]
 
 
 def suspend(pids: list[int], lock_timeout_s: float) -> float:
@@ -40,8 +40,7 @@ def suspend(pids: list[int], lock_timeout_s: float) -> float:
     except cuda.CudaError as e:
         outcomes = resume(pids)
         reason = Reason.CUDA_LOCK_TIMEOUT if step == "lock" and e.timed_out else Reason.CUDA_CHECKPOINT_FAILED
-        intact = not any(o.startswith("wedged") for o in outcomes.values())
-        raise SnapguardError(reason, str(e), workload_intact=intact,
+        raise SnapguardError(reason, str(e), workload_intact=not wedged(outcomes),
                              evidence={"pid": e.pid, "step": step, "cuda_recovery": outcomes}) from None
     return time.monotonic() - t0
 
@@ -65,3 +64,8 @@ def resume(pids: list[int]) -> dict[int, str]:
         except cuda.CudaError as e:
             outcomes[pid] = f"wedged: {e}"
     return outcomes
+
+
+def wedged(outcomes: dict[int, str]) -> dict[int, str]:
+    """The processes `resume` could not bring back."""
+    return {pid: o for pid, o in outcomes.items() if o.startswith("wedged")}

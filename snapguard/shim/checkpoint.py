@@ -55,7 +55,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
     if rc != 0:
         log = os.path.join(sub.work_path, "dump.log")
         errors = criu.read_log_errors(log)
-        alive = os.path.exists(f"/proc/{state['pid']}") and not any(o.startswith("wedged") for o in outcomes.values())
+        alive = os.path.exists(f"/proc/{state['pid']}") and not gpu_suspend.wedged(outcomes)
         quoted = "; ".join(str(e) for e in errors) or f"runc exited {rc}, no CRIU error in {log}"
         raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted, workload_intact=alive,
                              evidence={"container": sub.container_id, "runc_exit": rc, "log": log,
@@ -63,7 +63,7 @@ def checkpoint(runc: str, args: list[str], opts: GlobalOptions, sub: SubcommandA
                                        "errors": [{"where": e.where, "message": e.message, "context": e.context}
                                                   for e in errors]},
                              warnings=report.warnings + take_warnings)
-    wedged = {p: o for p, o in outcomes.items() if o.startswith("wedged")}
+    wedged = gpu_suspend.wedged(outcomes)
     if wedged:
         raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
                              evidence={"container": sub.container_id, "cuda_recovery": outcomes})
