@@ -81,12 +81,13 @@ class Trainer:
 
     def kill(self) -> None:
         """After a failed arm: nothing of it keeps running into the next."""
-        for pid in (self.proc.pid if self.proc else None, self.restored_pid):
-            if pid:
-                try:
-                    os.killpg(pid, 9) if pid == getattr(self.proc, "pid", None) else os.kill(pid, 9)
-                except OSError:
-                    pass
+        kills = [(os.killpg, self.proc.pid)] if self.proc else []  # our child leads its own session
+        kills += [(os.kill, self.restored_pid)] if self.restored_pid else []
+        for kill, pid in kills:
+            try:
+                kill(pid, 9)
+            except OSError:
+                pass
         if self.proc is not None:
             self.proc.wait(timeout=60)
 
@@ -185,11 +186,14 @@ def _image_figures(images: str) -> dict[str, Any]:
             "driver": gpu.get("driver_version"), "gpus": [g.get("name") for g in gpu.get("gpus", [])]}
 
 
+def _arm_name(stop: bool, trimmed: bool, prefix: str = "") -> str:
+    return f"{prefix}{'stop' if stop else 'leave-running'}-{'trimmed' if trimmed else 'untrimmed'}"
+
+
 def snapshot_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int,
                  stop: bool, trimmed: bool, prefix: str = "", extra: tuple[str, ...] = (),
                  env: dict[str, str] | None = None) -> dict[str, Any]:
-    name = f"{prefix}{'stop' if stop else 'leave-running'}-{'trimmed' if trimmed else 'untrimmed'}"
-    run = Trainer(base, name, steps, trimmed=trimmed, extra=list(extra), env=env or {})
+    run = Trainer(base, _arm_name(stop, trimmed, prefix), steps, trimmed=trimmed, extra=list(extra), env=env or {})
     pid = run.start(os.path.join(config.state_dir, "take"))
     try:
         return _snapshot(run, pid, base, config, ref, ref_result, at=at, stop=stop)
@@ -324,8 +328,7 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     # mounts and CRIU cannot dump it; the trainer opens its own stderr file in /out
     run.launched_at = time.time()
     runc_log = base / "runc-run.log"
-    rc = subprocess.run([executor, "--root", root, "--log", str(runc_log), "run", "--detach", "--bundle", str(bundle),
-                         cid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    rc = subprocess.run([*sg, "--log", str(runc_log), "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         timeout=120, check=False).returncode
     if rc != 0:
         tail = runc_log.read_text(errors="replace")[-800:] if runc_log.exists() else ""
@@ -398,22 +401,21 @@ def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int =
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
 
-    plain = [a for a in arms if a != "compile"]
-    if plain:
+    runs: list[tuple[str, Any]] = []
+    if any(a != "compile" for a in arms):
         ref = Trainer(base, "reference", steps, extra=list(trainer_args))
         ref.start()
         ref_result = ref.wait_done()
         record({"arm": "reference", "image_bytes": 0, "bit_identical": True, "step_time_s": _step_time(ref),
                 "launch_to_first_step_s": ref.rows()[0][2] - ref.launched_at})
         expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-        runs: list[tuple[str, Any]] = []
         if "snapshots" in arms:
-            runs += [(f"{'stop' if stop else 'leave-running'}-{'trimmed' if trim else 'untrimmed'}",
+            runs += [(_arm_name(stop, trim),
                       lambda stop=stop, trim=trim: snapshot_run(base, config, ref, ref_result, steps=steps, at=at,
                                                                 stop=stop, trimmed=trim, extra=trainer_args))
                      for stop in (False, True) for trim in (False, True)]
         if "expandable" in arms:
-            runs += [(f"expandable-{'stop' if stop else 'leave-running'}-trimmed",
+            runs += [(_arm_name(stop, True, "expandable-"),
                       lambda stop=stop: snapshot_run(base, config, ref, ref_result, steps=steps, at=at, stop=stop,
                                                      trimmed=True, prefix="expandable-", env=expandable,
                                                      extra=trainer_args))
@@ -425,16 +427,13 @@ def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int =
             runs.append(("container-stop-trimmed",
                          lambda: container_run(base, config, ref, ref_result, steps=steps, at=at,
                                                extra=trainer_args)))
-        for arm, go in runs:
-            try:
-                record(go())
-            except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
-                record(_arm_failure(arm, e))
     if "compile" in arms:
+        runs.append(("compile", lambda: compile_arms(base, config, steps=steps, at=at, extra=trainer_args)))
+    for arm, go in runs:
         try:
-            record(compile_arms(base, config, steps=steps, at=at, extra=trainer_args))
+            record(go())
         except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
-            record(_arm_failure("compile", e))
+            record(_arm_failure(arm, e))
     print(_table([r for r in rows if not r.get("failed")]))
     for r in rows:
         if r.get("failed"):
