@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,16 @@ def take_dir(config) -> str:
     return os.path.join(config.state_dir, "take")
 
 
+@contextmanager
+def running(job: DdpJob, take: str | None) -> Iterator[subprocess.Popen[bytes]]:
+    """The job's launcher, started; afterwards its whole session is killed, whatever happened."""
+    launcher = job.start(take)
+    try:
+        yield launcher
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
     return DdpJob(tmp_path_factory.mktemp("reference"), 2, STEPS).run_uninterrupted()
@@ -41,8 +53,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
 def test_two_rank_gloo_job_snapshot_at_common_step(leave_running: bool, config, tmp_path: Path,
                                                    reference: DdpJob) -> None:
     job = DdpJob(tmp_path / "job", 2, STEPS)
-    launcher = job.start(take_dir(config))
-    try:
+    with running(job, take_dir(config)) as launcher:
         job.wait_step(10)
         result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=leave_running,
                                 tcp_established=True)
@@ -55,23 +66,18 @@ def test_two_rank_gloo_job_snapshot_at_common_step(leave_running: bool, config, 
             restored = restore_images(str(tmp_path / "img"), config, tcp_established=True)
             assert restored["pid"] == launcher.pid
         assert job.mismatches(reference) == []
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
 
 
 def test_four_rank_job_stop_and_restore(config, tmp_path: Path) -> None:
     ref = DdpJob(tmp_path / "ref", 4, STEPS).run_uninterrupted()
     job = DdpJob(tmp_path / "job", 4, STEPS)
-    launcher = job.start(take_dir(config))
-    try:
+    with running(job, take_dir(config)) as launcher:
         job.wait_step(5)
         result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, tcp_established=True)
         assert len(result["take_point"]) == 4 and len({f["step"] for f in result["take_point"].values()}) == 1
         launcher.wait(timeout=30)
         restore_images(str(tmp_path / "img"), config, tcp_established=True)
         assert job.mismatches(ref) == []
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
 
 
 def test_cpu_job_without_hook_is_dumped_as_one_tree(config, tmp_path: Path) -> None:
@@ -79,40 +85,31 @@ def test_cpu_job_without_hook_is_dumped_as_one_tree(config, tmp_path: Path) -> N
     consistent (CRIU freezes every rank and carries the socket queues), so it is allowed; with
     several CUDA processes it is refused (test_workload covers that check)."""
     job = DdpJob(tmp_path / "job", 2, STEPS)
-    launcher = job.start(None)
-    try:
+    with running(job, None) as launcher:
         job.wait_step(5)
         result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=True,
                                 tcp_established=True)
         assert result["take_point"] == {}
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
 
 
 def test_established_tcp_without_flag_is_refused(config, tmp_path: Path) -> None:
     job = DdpJob(tmp_path / "job", 2, STEPS)
-    launcher = job.start(take_dir(config))
-    try:
+    with running(job, take_dir(config)) as launcher:
         job.wait_step(3)
         with pytest.raises(SnapguardError) as e:
             checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=True)
         assert e.value.reason is Reason.TCP_ESTABLISHED
         job.wait_step(max(job.rows(0)) + 3)  # untouched: still training
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
 
 
 def test_single_trainer_take_point_holds_and_releases(config, tmp_path: Path) -> None:
     """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go."""
     ref = DdpJob(tmp_path / "ref", 1, STEPS).run_uninterrupted()
     job = DdpJob(tmp_path / "job", 1, STEPS)
-    launcher = job.start(take_dir(config))
-    try:
+    with running(job, take_dir(config)) as launcher:
         job.wait_step(5)
         result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=True,
                                 tcp_established=True)
         (figures,) = result["take_point"].values()
         assert figures["ok"] and figures["step"] >= 6
         assert job.mismatches(ref) == []
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(launcher.pid)], check=False)
