@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from . import criu, gpu_suspend, image
-from ._config import Config
-from ._files import ensure_private_dir
+from .config import Config
+from .files import ensure_private_dir
 from ._host import process_state
 from .hooks import take
 from .preflight import gpu, host_checks, manifest_report, workload
@@ -28,7 +28,7 @@ def _env(config: Config, device_map: list[tuple[str, str]] | None = None) -> dic
 
 def _device_map(report: Report, config: Config) -> list[tuple[str, str]] | None:
     """The GPU remapping a restore needs, checked to be one the cuda-checkpoint in use applies."""
-    from ._config import resolve_cuda_checkpoint
+    from .config import resolve_cuda_checkpoint
 
     pairs = next((f.evidence["device_map"] for f in report.findings
                   if f.reason is Reason.GPU_IDENTITY_MISMATCH and "device_map" in f.evidence), None)

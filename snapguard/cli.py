@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from . import __version__
-from ._config import ConfigError, load
+from .config import ConfigError, load
 from .reasons import Reason
 
 EXIT_USAGE = 2

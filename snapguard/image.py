@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from . import __version__
-from ._files import write_private_bytes, write_private_json
+from .files import write_private_bytes, write_private_json
 from .reasons import Finding, Reason, Severity, SnapguardError
 
 __all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "compare_with_host", "seal", "verify"]

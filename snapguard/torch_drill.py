@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._config import Config
+from .config import Config
 from .bare import checkpoint_pid, restore_images
 from .cli import DEFAULT_TORCH_ARMS
 from .hooks import site_dir

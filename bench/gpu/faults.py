@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from snapguard import criu, cuda
-from snapguard._config import load
+from snapguard.config import load
 from snapguard.bare import checkpoint_pid
 from snapguard.gpu_suspend import resume as recover_cuda
 from snapguard.reasons import SnapguardError

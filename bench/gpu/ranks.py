@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from snapguard._config import load
+from snapguard.config import load
 from snapguard.bare import checkpoint_pid, restore_images
 from snapguard.testbed import DdpJob
 

@@ -34,7 +34,7 @@ def main() -> int:
     while len(ready) < 2:
         ready.add(job.stdout.readline().strip())
     time.sleep(1)
-    from snapguard._config import load
+    from snapguard.config import load
     from snapguard.preflight import node_report, pid_report
 
     t0 = time.perf_counter()

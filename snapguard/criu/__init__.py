@@ -15,8 +15,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from .._config import Config, resolve_cuda_checkpoint
-from .._files import ensure_private_dir, write_private_bytes, write_private_json
+from ..config import Config, resolve_cuda_checkpoint
+from ..files import ensure_private_dir, write_private_bytes, write_private_json
 
 __all__ = [
     "CriuLogError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .. import image
-from .._config import Config
+from ..config import Config
 from .._host import host_facts, mem_available_bytes
 from ..reasons import Finding, SnapguardError
 from . import gpu, host, workload

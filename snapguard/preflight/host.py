@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import criu
-from .._config import Config, check_pinned_binary, resolve_cuda_checkpoint
+from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
 from ..reasons import Finding, Reason, Severity
 
 __all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "IPTABLES_RESTORE"]

@@ -7,7 +7,7 @@ import subprocess
 from typing import Any
 
 from .. import criu
-from .._config import Config
+from ..config import Config
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions
 

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..reasons import Failure
-from .._files import write_private_json
+from ..files import write_private_json
 
 __all__ = ["report_failure", "write_log_line"]
 

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from .. import criu, gpu_suspend, image
-from .._config import Config
-from .._files import ensure_private_dir
+from ..config import Config
+from ..files import ensure_private_dir
 from ..hooks import take
 from ..preflight import gpu, workload
 from ..preflight._report import Report

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .._config import ConfigError, pinned_runc
+from ..config import ConfigError, pinned_runc
 from ._argv import ArgvError, split_global
 
 GUARDED = ("checkpoint", "restore")

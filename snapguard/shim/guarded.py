@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .._config import ConfigError, load
-from .._config import check_pinned_binary
-from .._files import write_private_json
+from ..config import ConfigError, load
+from ..config import check_pinned_binary
+from ..files import write_private_json
 from ..reasons import Failure, Reason, SnapguardError
 from ._argv import ArgvError, GlobalOptions, parse_subcommand
 from ._runclog import report_failure

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from .. import criu
-from .._config import Config
+from ..config import Config
 from .._host import process_state
 from ..reasons import Reason, SnapguardError
 from ._argv import GlobalOptions, SubcommandArgs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from snapguard.hooks import site_dir, socket_path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROBE = ("import os, sys, time; time.sleep(0.3); "
          "print(os.environ.get('WORKLOAD_SITE'), os.path.exists(sys.argv[1].replace('PID', str(os.getpid())))) ")
 

@@ -11,7 +11,7 @@ from snapguard.preflight import workload
 from snapguard.preflight._report import Report
 from snapguard.reasons import Reason, Severity
 
-from .planted import DELETED_SHM, IDLE, IO_URING, TCP_PAIR, WRITABLE, planted
+from ..planted import DELETED_SHM, IDLE, IO_URING, TCP_PAIR, WRITABLE, planted
 
 
 def _findings(pid: int, **kw: object) -> dict[Reason, list]:

@@ -12,7 +12,7 @@ import pytest
 
 from snapguard.preflight import scan
 
-from .planted import DEVICE_MAP, IO_URING, planted
+from ..planted import DEVICE_MAP, IO_URING, planted
 
 pytestmark = pytest.mark.skipif(not scan.have_c_helper(), reason="C helper not built (no compiler)")
 

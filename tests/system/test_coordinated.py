@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard._config import load
+from snapguard.config import load
 from snapguard.bare import checkpoint_pid, restore_images
 from snapguard.reasons import Reason, SnapguardError
 from snapguard.testbed import DdpJob

@@ -30,7 +30,7 @@ def test_real_criu_version_and_check(tmp_path: Path) -> None:
 
 
 def test_prepare_environment_pins_path(tmp_path: Path) -> None:
-    from snapguard._config import load
+    from snapguard.config import load
     cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path / "state"), "SNAPGUARD_CONFIG": os.devnull})
     env = criu.prepare_environment(cfg, "/usr/local/sbin/criu")
     bin_dir = tmp_path / "state" / "bin"

@@ -146,7 +146,7 @@ def test_device_map_from_environment_is_parsed() -> None:
 
 def test_criu_environment_carries_the_device_map(tmp_path: Path) -> None:
     from snapguard import criu
-    from snapguard._config import load
+    from snapguard.config import load
 
     cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path), "SNAPGUARD_CONFIG": os.devnull})
     env = criu.prepare_environment(cfg, "/usr/local/sbin/criu", [("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")])
@@ -155,7 +155,7 @@ def test_criu_environment_carries_the_device_map(tmp_path: Path) -> None:
 
 
 def test_cuda_plugin_check_probes_cuda_checkpoint_like_the_plugin(tmp_path: Path) -> None:
-    from snapguard._config import load
+    from snapguard.config import load
     from snapguard.preflight.host import check_cuda_plugin
 
     cfg = tmp_path / "c.toml"

@@ -13,7 +13,7 @@ import pytest
 from snapguard import image
 from snapguard._host import host_facts
 
-from .planted import IO_URING, planted
+from ..planted import IO_URING, planted
 
 
 def snapguard(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard._config import ConfigError, check_pinned_binary, load, pinned_runc
+from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc
 
 
 def test_defaults_with_empty_file(tmp_path: Path) -> None:

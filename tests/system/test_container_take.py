@@ -17,7 +17,7 @@ from snapguard.testbed import DdpJob, host_bundle, release_mounts
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 80  # long enough that the job cannot finish while it is snapshotted
 HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, str(REPO)]
 
