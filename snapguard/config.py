@@ -4,14 +4,20 @@ Read from /etc/snapguard/config.toml (or the file named by $SNAPGUARD_CONFIG); s
 overridden by environment variables (containerd passes its environment down to the executor).
 No binary is ever looked up in $PATH: every path is absolute and checked before use.
 
-This module is imported on the executor's pass-through path, so it imports only os and sys at
-module level; the TOML parser is loaded only when a config file exists.
+Every path that decides what runs as root is checked with snapguard.trust when it is loaded (root
+alone must control it and every directory on the way) and replaced by the canonical path that was
+checked, so that callers run exactly that.
+
+This module is imported on the executor's pass-through path, so it imports only os and the small
+snapguard.trust (os, stat, errno) at module level; the TOML parser is loaded only when the runc
+path cache misses or a full load() runs.
 """
 
 from __future__ import annotations
 
 import os
-import stat
+
+from .trust import UntrustedPathError, check_trusted_libdir, make_private_dir, open_trusted, resolve_trusted
 
 TYPE_CHECKING = False  # typing is not imported at run time: this module is on the pass-through path
 if TYPE_CHECKING:
@@ -52,7 +58,8 @@ class ConfigError(Exception):
     """
 
     def __init__(self, message: str, reason: str = "CONFIG_INVALID") -> None:
-        super().__init__(message)
+        # one line even when a path or a parser's message holds a newline: it goes to runc's log
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
         self.reason = reason
 
 
@@ -76,32 +83,110 @@ class Config:
         return {key: getattr(self, key) for key in DEFAULTS} | {"source": self.source}
 
 
-def _read_file(path: str) -> dict[str, object]:
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; more is a mistake, not a config
+
+
+def _untrusted(e: UntrustedPathError, what: str | None = None) -> ConfigError:
+    """One line, naming what the path was for; a path root does not control is UNTRUSTED_PATH."""
+    return ConfigError(f"{what} {e}" if what else str(e), "CONFIG_INVALID" if e.unusable else e.reason)
+
+
+def _open_config(path: str) -> int | None:
+    """A descriptor of the checked config file, or None when it does not exist.
+
+    Its owner chooses every binary snapguard runs as root, so it must be root's alone, and every
+    directory on the way to it too; it is read through the descriptor that was checked.
+    """
+    if not os.path.isabs(path):
+        raise ConfigError(f"the config file must be an absolute path, got {path!r}")
+    try:
+        return open_trusted(path, "file")
+    except UntrustedPathError as e:
+        if e.missing:
+            return None
+        raise _untrusted(e, "config file") from None
+
+
+def _read_config(fd: int, path: str) -> dict[str, object]:
+    """The TOML table in the file open at `fd` (closed here). Every failure is a one-line ConfigError:
+    this runs on every runc call containerd makes, and a traceback there breaks every container."""
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
     try:
         import tomllib
     except ImportError:  # Python < 3.11
-        import tomli as tomllib  # type: ignore[no-redef]
+        import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        raise ConfigError(f"{path} is not valid TOML: {_one_line(str(e))}") from None
+    except (ValueError, RecursionError) as e:  # the parser's own limits; still a bad file
+        raise ConfigError(f"{path} is not valid TOML: {_one_line(str(e))}") from None
     unknown = sorted(set(data) - set(DEFAULTS))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(DEFAULTS)}")
     return data
 
 
-def load(environ: Mapping[str, str] | None = None) -> Config:
-    """Defaults, then the config file, then environment overrides; every path must be absolute."""
-    env = os.environ if environ is None else environ
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _trusted_binary(key: str, path: str) -> str:
+    """The canonical path of a pinned binary; a missing (or not executable) one is kept as given,
+    preflight reports it when a snapshot needs it, but one that root does not control is an error
+    now."""
+    try:
+        return resolve_trusted(path, "exec")
+    except UntrustedPathError as e:
+        if e.unusable:
+            return path
+        raise _untrusted(e, f"`{key}`") from None
+
+
+def _trusted_libdir(path: str) -> str:
+    """CRIU loads every *.so in its libdir as root: the directory and each plugin must be root's.
+
+    A libdir that does not exist (or is no directory) is kept as given: CRIU then loads nothing
+    and preflight reports the missing CUDA plugin. A plugin that fails in any way is an error,
+    since the plugins after it in the directory would go unchecked.
+    """
+    try:
+        return check_trusted_libdir(path)
+    except UntrustedPathError as e:
+        if e.unusable and e.path == path:
+            return path
+        raise _untrusted(e, "`criu_libdir`") from None
+
+
+def _trusted_state_dir(path: str) -> str:
+    """The state dir, canonical when it exists. A missing one is created later (make_private_dir),
+    but the part that exists must already be root's: whoever controls it could swap what
+    snapguard generates there."""
+    try:
+        return resolve_trusted(path, "dir")
+    except UntrustedPathError as e:
+        if e.missing:
+            return path
+        raise _untrusted(e, "`state_dir`") from None
+
+
+def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
     path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
     values: dict[str, object] = dict(DEFAULTS)
     source = None
-    if os.path.exists(path):
-        values.update(_read_file(path))
+    fd = _open_config(path)
+    if fd is not None:
+        values.update(_read_config(fd, path))
         source = path
     elif "SNAPGUARD_CONFIG" in env:
         raise ConfigError(f"SNAPGUARD_CONFIG names {path}, which does not exist")
@@ -116,96 +201,145 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         value = values[key]
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
             raise ConfigError(f"`{key}` must be an integer from 1 to {high}, got {value!r}")
+    for key in check:
+        value = str(values[key])
+        if key == "criu_libdir":
+            values[key] = _trusted_libdir(value)
+        elif key == "state_dir":
+            values[key] = _trusted_state_dir(value)
+        else:
+            values[key] = _trusted_binary(key, value)
     return Config(values, source)
 
 
+def load(environ: Mapping[str, str] | None = None) -> Config:
+    """Defaults, then the config file, then environment overrides; every path must be absolute.
+
+    Every path is checked now (see snapguard.trust): the config file, the binaries, CRIU's libdir
+    with each plugin in it and the existing part of the state dir must be root's alone, every
+    directory on the way included. The binaries and the libdir are then the canonical paths that
+    were checked, so callers run exactly what was checked. Binaries and a libdir that do not exist
+    are kept as given (preflight reports them); one that root does not control is a ConfigError
+    with reason UNTRUSTED_PATH. No exception but ConfigError comes out of here.
+    """
+    env = os.environ if environ is None else environ
+    return _load(env, _PATH_KEYS)
+
+
 def resolve_cuda_checkpoint(config: Config) -> str | None:
-    """The cuda-checkpoint CRIU's plugin will run: NVIDIA's where installed at the pinned path,
-    else snapguard's own (snapguard-cuda-checkpoint, installed beside this interpreter)."""
+    """The cuda-checkpoint CRIU's plugin will run, canonical and checked: NVIDIA's where installed
+    at the pinned path, else snapguard's own (snapguard-cuda-checkpoint, installed beside this
+    interpreter). None when neither exists as an executable root alone controls: CRIU's plugin
+    runs it as root, so an unchecked one must never be linked where the plugin finds it."""
     import sys
 
     for candidate in (config.cuda_checkpoint,
                       os.path.join(os.path.dirname(sys.executable), "snapguard-cuda-checkpoint")):
-        if os.path.exists(candidate):
-            return candidate
+        try:
+            return resolve_trusted(candidate, "exec")
+        except UntrustedPathError:
+            continue
     return None
 
 
 def check_pinned_binary(path: str, what: str) -> str | None:
-    """Why `path` must not be executed as root, or None when it is fine.
+    """Why `path` must not be executed as root, or None when it is fine (one line).
 
-    A binary run by a root executor must be a root-owned regular file that nobody else can
-    write; otherwise whoever can write it runs code as root.
+    A binary run by a root executor must be a root-owned executable file that nobody else can
+    write, reached only through directories nobody else can write (snapguard.trust); otherwise
+    whoever can write any of them runs code as root. Callers that go on to run it should run
+    resolve_trusted(path, "exec"), the canonical path that was checked.
     """
     try:
-        st = os.stat(path)
-    except OSError as e:
-        return f"{what} {path}: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
-        return f"{what} {path} is not an executable file"
-    if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
-        return f"{what} {path} must be owned by root and writable by root alone"
+        resolve_trusted(path, "exec")
+    except UntrustedPathError as e:
+        if e.unusable:
+            return f"{what} {e}"
+        return f"{what} {e}: it must be owned by root and writable by root alone, on a path only root can change"
     return None
 
 
-def _cache_path(env: Mapping[str, str]) -> str:
-    return os.path.join(env.get("SNAPGUARD_STATE_DIR") or str(DEFAULTS["state_dir"]), "runc-path.cache")
+RUNC_CACHE = "runc-path.cache"
 
 
-def _config_stamp(path: str) -> str | None:
+def _cache_dir(env: Mapping[str, str]) -> str:
+    return env.get("SNAPGUARD_STATE_DIR") or str(DEFAULTS["state_dir"])
+
+
+def _config_stamp(fd: int, path: str) -> str:
+    """What identifies this version of the config file: a rewrite or replacement changes it."""
+    st = os.fstat(fd)
+    return f"{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _cached_runc(state_dir: str, stamp: str) -> str | None:
+    """The runc path remembered for this exact config file, if a cache root alone controls holds it."""
     try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return f"{path}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-
-
-def _cached_runc(cache: str, stamp: str) -> str | None:
-    """The runc path remembered for this exact config file, if a root-only cache holds it."""
+        fd = open_trusted(os.path.join(state_dir, RUNC_CACHE), "file")
+    except UntrustedPathError:
+        return None  # missing, or planted by someone else: parse the config instead
     try:
-        fd = os.open(cache, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(8192).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
         return None
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            return None
-        cached_stamp, _, runc = f.read(8192).rstrip("\n").partition("\n")
+    cached_stamp, _, runc = text.rstrip("\n").partition("\n")
     return runc if cached_stamp == stamp and runc else None
 
 
-def _remember_runc(cache: str, stamp: str, runc: str) -> None:
+def _remember_runc(state_dir: str, stamp: str, runc: str) -> None:
+    """Write the cache in the private state dir (created 0700 if missing), atomically."""
     try:
-        os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}"
+        directory = make_private_dir(state_dir)
+        tmp = os.path.join(directory, f"{RUNC_CACHE}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(f"{stamp}\n{runc}\n")
-        os.replace(tmp, cache)
-    except OSError:
+        os.replace(tmp, os.path.join(directory, RUNC_CACHE))
+    except (OSError, UntrustedPathError):
         pass  # a cache that cannot be written only costs the next call a parse
 
 
-def pinned_runc(environ: Mapping[str, str] | None = None) -> str:
-    """The real runc's path, for the pass-through path: the cheapest source first.
+def _checked_runc(runc: str) -> str:
+    """The canonical runc to exec; missing or not executable is RUNC_UNUSABLE, a runc that root
+    does not control alone is UNTRUSTED_PATH."""
+    try:
+        return resolve_trusted(runc, "exec")
+    except UntrustedPathError as e:
+        raise ConfigError(f"runc {e}", "RUNC_UNUSABLE" if e.unusable else e.reason) from None
 
-    Parsing TOML costs more than runc itself takes to answer `state`, so the path read from the
-    config file is cached (root-only, in the state dir) under the file's inode, size and mtime.
+
+def pinned_runc(environ: Mapping[str, str] | None = None) -> str:
+    """The real runc's canonical path, for the pass-through path: the cheapest source first.
+
+    This runs on every runc call containerd makes, so it raises nothing but ConfigError (a
+    traceback here breaks every container on the node) and stays cheap: parsing TOML costs more
+    than runc itself takes to answer `state`, so the path read from the config file is cached
+    (root-only, in the state dir) under the file's identity, and tomllib is imported only when
+    the cache misses. The config file is checked on every call all the same (a walk of a few
+    fstat calls): its owner chooses runc. Only runc is checked here; the other binaries matter
+    only to checkpoint and restore, which load() the whole configuration.
     """
     env = os.environ if environ is None else environ
     runc = env.get("SNAPGUARD_RUNC")
-    if not runc:
-        config_path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
-        stamp = _config_stamp(config_path)
-        cache = _cache_path(env)
-        runc = _cached_runc(cache, stamp) if stamp else None
-        if runc is None:
-            runc = load(env).runc
-            if stamp:
-                _remember_runc(cache, stamp, runc)
-    elif not os.path.isabs(runc):
-        raise ConfigError(f"SNAPGUARD_RUNC must be an absolute path, got {runc!r}")
-    problem = check_pinned_binary(runc, "runc")
-    if problem:
-        raise ConfigError(problem, "RUNC_UNUSABLE")
-    return runc
+    if runc:
+        if not os.path.isabs(runc):
+            raise ConfigError(f"SNAPGUARD_RUNC must be an absolute path, got {runc!r}")
+        return _checked_runc(runc)
+    config_path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
+    fd = _open_config(config_path)
+    if fd is None:
+        return _checked_runc(_load(env, ("runc",)).runc)
+    try:
+        stamp = _config_stamp(fd, config_path)
+    except OSError as e:
+        raise ConfigError(f"cannot read {config_path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    state_dir = _cache_dir(env)
+    cached = _cached_runc(state_dir, stamp)
+    if cached is not None:
+        return _checked_runc(cached)
+    runc = _load(env, ("runc",)).runc
+    _remember_runc(state_dir, stamp, runc)
+    return _checked_runc(runc)

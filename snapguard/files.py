@@ -6,13 +6,25 @@ import json
 import os
 from typing import Any
 
+from .trust import make_private_dir, resolve_trusted
+
 __all__ = ["ensure_private_dir", "write_private_bytes", "write_private_json"]
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create `path` (and parents) 0700, or tighten an existing directory to 0700."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+def ensure_private_dir(path: str) -> str:
+    """Create `path` (and missing parents) 0700, or check and tighten an existing directory to
+    0700; returns its canonical path. snapguard.trust.make_private_dir: the existing part of the
+    path must be root's alone (whoever controls a directory on the way could swap what snapguard
+    writes there), whatever the umask. Raises trust.UntrustedPathError (not an OSError).
+
+    A relative path (`--images imgs`) is taken from the current directory as the kernel knows
+    it (getcwd is canonical), so that the walk still sees every component."""
+    path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    if os.path.islink(path):
+        # containerd's shim makes a task's work path a symlink into its own root-only state: a
+        # link followed only when it and every hop are root's alone (the walk checks each)
+        path = resolve_trusted(path, "dir")
+    return make_private_dir(path)
 
 
 def write_private_bytes(path: str, data: bytes) -> None:
