@@ -4,41 +4,145 @@ At checkpoint: every file of the image is hashed into the manifest (sha256 over 
 64 MiB spans, so that large page files hash on every core), the manifest is written 0600,
 and a completion marker holding the manifest's sha256 is written last. At restore: no marker means
 a half-written or half-copied image; a changed file or manifest means corruption; and the manifest,
-which may come from another host, is validated field by field before anything reads it.
+which may come from another host, is validated against a JSON Schema (manifest.schema.json)
+before anything reads it.
+
+snapguard runs as root and an image directory may have passed through other hands, so neither
+seal nor verify ever follows a link: the directory is opened once with O_NOFOLLOW and every file
+is opened relative to that descriptor (O_NOFOLLOW, O_NONBLOCK), checked with fstat to be a
+regular file, and then read, hashed or chmod-ed through that descriptor. CRIU images are flat:
+a symlink, FIFO, device, socket or subdirectory in an image is refused. At restore the directory
+must be root's alone (and every directory above it, see trust.py), each file must be root's and
+not writable by others, and nothing the manifest does not list may sit in the directory, since
+CRIU reads whatever image files it finds there.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import re
+import stat
 import time
 from typing import Any
 
-from . import __version__
-from .files import write_private_bytes, write_private_json
+from . import __version__, trust
+from .names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
 from .reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "compare_with_host", "seal", "verify"]
+__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "compare_with_host", "seal", "validate_manifest", "verify"]
 
 SCHEMA = "snapguard.manifest/1"
-MANIFEST_NAME = "snapguard-manifest.json"
-MARKER_NAME = "snapguard-complete.json"
-# Files that are not part of what was dumped: snapguard's own, and what a restore adds.
-_NOT_IMAGE = frozenset({MANIFEST_NAME, MARKER_NAME, "snapguard-result.json", "restore.log"})
-_MAX_FILES = 100_000
+SCHEMA_FILE = "manifest.schema.json"  # in this package: the JSON Schema of a SCHEMA manifest
+# what an image directory may hold beside what was dumped: snapguard's own files and what a
+# restore writes there in place (snapguard.names is the one list of these names)
+_NOT_IMAGE = NOT_IMAGE_FILES
+_MAX_FILES = 100_000  # also the schema's maxProperties of `files`
+_MAX_MARKER_BYTES = 4096
 _MAX_MANIFEST_BYTES = 64 << 20
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _READ = 4 << 20
 _SPAN = 64 << 20  # files are hashed in spans of this size (the manifest's digest scheme)
 _PARALLEL_BYTES = 256 << 20
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO in a file's place must not block the open (nor the reads: they are refused
+# by fstat before any read).
+_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_DETAIL = 300
+
+_validator_cache: Any = None
 
 
-def _sha256_span(path: str, offset: int, length: int) -> bytes:
-    h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+def _not_image(name: str) -> bool:
+    return name in _NOT_IMAGE or ".tmp." in name
+
+
+def _show(name: str, limit: int = 120) -> str:
+    """A name from a directory or a manifest, fit for a one-line message."""
+    text = name if name.isprintable() else ascii(name)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why an image directory or file owned or writable by someone else is not root's alone."""
+    if st.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {st.st_uid}, not root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+class _NotRegular(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class _Changed(Exception):
+    """An image file was replaced between its check and its hashing."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+    """`name` (one component) in the directory `dir_fd`, opened for reading; _NotRegular unless it
+    is a regular file. Its type is checked before the open (opening a device can act on it) and
+    again on the descriptor, which must be the object checked."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise _NotRegular(_kind(st.st_mode))
+    fd = os.open(name, _O_FILE, dir_fd=dir_fd)
     try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise _NotRegular("replaced while it was opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, fst
+
+
+def _read_capped(fd: int, cap: int) -> bytes:
+    """At most cap + 1 bytes: a longer read tells the caller the file is over its cap."""
+    chunks, left = [], cap + 1
+    while left > 0:
+        block = os.read(fd, min(_READ, left))
+        if not block:
+            break
+        chunks.append(block)
+        left -= len(block)
+    return b"".join(chunks)
+
+
+# (name, (st_dev, st_ino), offset, length): a span is read through its own descriptor, opened
+# relative to the image directory's and checked to be the file that was checked before.
+_Span = tuple[str, tuple[int, int], int, int]
+
+
+def _sha256_span(dir_fd: int, span: _Span) -> bytes:
+    name, ident, offset, length = span
+    h = hashlib.sha256()
+    fd = os.open(name, _O_FILE, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != ident:
+            raise _Changed(name)
         done = 0
         while done < length:
             block = os.pread(fd, min(_READ, length - done), offset + done)
@@ -51,64 +155,145 @@ def _sha256_span(path: str, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def _spans(path: str) -> tuple[int, list[tuple[str, int, int]]]:
-    size = os.lstat(path).st_size
-    return size, [(path, off, min(_SPAN, size - off)) for off in range(0, size, _SPAN)] or [(path, 0, 0)]
-
-
-def _image_files(image_dir: str) -> list[str]:
-    names = []
-    for root, dirs, files in os.walk(image_dir):
-        rel_root = os.path.relpath(root, image_dir)
-        dirs.sort()
-        for name in sorted(files):
-            rel = name if rel_root == "." else f"{rel_root}/{name}"
-            if rel in _NOT_IMAGE or ".tmp." in name:
-                continue
-            names.append(rel)
-    return names
-
-
-def _hash_all(image_dir: str, names: list[str]) -> dict[str, tuple[int, str]]:
-    """{name: (size, digest)}: the digest is the sha256 of the sha256s of the file's 64 MiB spans,
-    so that one 6 GB pages file is hashed by all cores, not one."""
-    sized = {n: _spans(os.path.join(image_dir, n)) for n in names}
-    spans = [span for _, file_spans in sized.values() for span in file_spans]
-    if sum(size for size, _ in sized.values()) < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
-        digests = [_sha256_span(*span) for span in spans]
+def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]]) -> dict[str, str]:
+    """{name: digest} for {name: (size, (st_dev, st_ino))}: the digest is the sha256 of the sha256s
+    of the file's 64 MiB spans, so that one 6 GB pages file is hashed by all cores, not one."""
+    per_file = {name: [(name, ident, off, min(_SPAN, size - off)) for off in range(0, size, _SPAN)]
+                or [(name, ident, 0, 0)] for name, (size, ident) in files.items()}
+    spans = [span for file_spans in per_file.values() for span in file_spans]
+    if sum(size for size, _ in files.values()) < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
+        digests = [_sha256_span(dir_fd, span) for span in spans]
     else:
         # hashlib releases the GIL on large buffers. Imported here: small images should not pay
         # for the import on every checkpoint.
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            digests = list(pool.map(lambda span: _sha256_span(*span), spans))
+            digests = list(pool.map(lambda span: _sha256_span(dir_fd, span), spans))
     out, i = {}, 0
-    for name, (size, file_spans) in sized.items():
-        out[name] = (size, hashlib.sha256(b"".join(digests[i:i + len(file_spans)])).hexdigest())
+    for name, file_spans in per_file.items():
+        out[name] = hashlib.sha256(b"".join(digests[i:i + len(file_spans)])).hexdigest()
         i += len(file_spans)
     return out
 
 
+def _write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write `data` to `name` in `dir_fd` 0600, atomically: a new temporary file (O_EXCL,
+    O_NOFOLLOW: never an existing file or a link), fsync, rename over `name` (a rename replaces a
+    symlink; it never writes through it), fsync of the directory."""
+    tmp = f"{name}.tmp.{os.getpid()}"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # left by a killed run with this pid
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    os.fsync(dir_fd)
+
+
+def _seal_refused(image_dir: str, detail: str, name: str | None = None) -> SnapguardError:
+    evidence = {"image": image_dir}
+    if name is not None:
+        evidence["path"] = os.path.join(image_dir, name)
+    return SnapguardError(Reason.IMAGE_WRITE_FAILED, detail, evidence=evidence)
+
+
+def _open_seal_dir(image_dir: str) -> int:
+    try:
+        dir_fd = os.open(image_dir, _O_DIR)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP) and os.path.islink(image_dir):
+            raise _seal_refused(image_dir, f"image directory {image_dir} is a symlink: snapguard never "
+                                "follows one") from None
+        raise
+    try:
+        why = _untrusted(os.fstat(dir_fd))
+        if why:
+            raise _seal_refused(image_dir, f"image directory {image_dir} {why}: others could have "
+                                "planted or could change what is sealed")
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def _seal_files(dir_fd: int, image_dir: str) -> dict[str, tuple[int, tuple[int, int]]]:
+    """{name: (size, (st_dev, st_ino))} of the image's files, each tightened to 0600 through its
+    own descriptor. Every entry must be a regular file of root's with one link, or sealing is
+    refused: chmod-ing or hashing through a planted link would act on a file outside the image."""
+    found: dict[str, tuple[int, tuple[int, int]]] = {}
+    for name in sorted(os.listdir(dir_fd)):
+        try:
+            fd, st = _open_regular(dir_fd, name)
+        except _NotRegular as e:
+            raise _seal_refused(image_dir, f"{_show(name)} in image {image_dir} is {e.kind}: an image holds "
+                                "regular files only, refusing to seal it", name) from None
+        try:
+            if st.st_uid not in (0, os.geteuid()):
+                raise _seal_refused(image_dir, f"image file {_show(name)} in {image_dir} is owned by uid "
+                                    f"{st.st_uid}, not root", name)
+            if st.st_nlink != 1:
+                raise _seal_refused(image_dir, f"image file {_show(name)} in {image_dir} has {st.st_nlink} hard "
+                                    "links: it may be a file outside the image", name)
+            if _not_image(name):
+                continue
+            # CRIU writes its images 0644; they hold process memory.
+            os.fchmod(fd, 0o600)
+            found[name] = (st.st_size, (st.st_dev, st.st_ino))
+        finally:
+            os.close(fd)
+    if len(found) > _MAX_FILES:
+        raise _seal_refused(image_dir, f"image {image_dir} has {len(found)} files, more than {_MAX_FILES}")
+    return found
+
+
 def seal(image_dir: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Tighten the image to root alone, hash it, write the manifest, then the completion marker."""
-    names = _image_files(image_dir)
-    for name in names:
-        # CRIU writes its images 0644; they hold process memory.
-        os.chmod(os.path.join(image_dir, name), 0o600)
-    hashed = _hash_all(image_dir, names)
-    manifest = {
-        "schema": SCHEMA,
-        "snapguard_version": __version__,
-        "epoch": time.time(),
-        **fields,
-        "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in hashed.items()},
-        "image_bytes": sum(size for size, _ in hashed.values()),
-    }
-    data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-    write_private_bytes(os.path.join(image_dir, MANIFEST_NAME), data)
-    write_private_json(os.path.join(image_dir, MARKER_NAME),
-                       {"manifest_sha256": hashlib.sha256(data).hexdigest(), "schema": SCHEMA})
+    """Tighten the image to root alone, hash it, write the manifest, then the completion marker.
+
+    An OSError propagates as such; an image that must not be sealed (a symlink, FIFO, device,
+    socket or directory in it, a file of another user's) raises SnapguardError(IMAGE_WRITE_FAILED).
+    """
+    dir_fd = _open_seal_dir(image_dir)
+    try:
+        found = _seal_files(dir_fd, image_dir)
+        try:
+            # a marker left from an earlier seal must not vouch for a seal that fails half way
+            os.unlink(MARKER_NAME, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        try:
+            digests = _hash_all(dir_fd, found)
+        except _Changed as e:
+            raise _seal_refused(image_dir, f"image file {_show(e.name)} in {image_dir} was replaced while it "
+                                "was being sealed", e.name) from None
+        manifest = {
+            "schema": SCHEMA,
+            "snapguard_version": __version__,
+            "epoch": time.time(),
+            **fields,
+            "files": {name: {"size": size, "sha256": digests[name]} for name, (size, _) in found.items()},
+            "image_bytes": sum(size for size, _ in found.values()),
+        }
+        data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+        _write_at(dir_fd, MANIFEST_NAME, data)
+        marker = {"manifest_sha256": hashlib.sha256(data).hexdigest(), "schema": SCHEMA}
+        _write_at(dir_fd, MARKER_NAME, (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode())
+    finally:
+        os.close(dir_fd)
     return manifest
 
 
@@ -116,121 +301,274 @@ def _invalid(detail: str, image_dir: str) -> SnapguardError:
     return SnapguardError(Reason.MANIFEST_INVALID, detail, evidence={"image": image_dir})
 
 
-def _require(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], image_dir: str) -> Any:
-    value = obj.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise _invalid(f"manifest field `{key}` is missing or not {getattr(kind, '__name__', kind)}", image_dir)
-    return value
+def _validator() -> Any:
+    """The manifest schema's validator, compiled once. jsonschema is imported here, not at module
+    level: the executor's pass-through path imports this module and must stay fast."""
+    global _validator_cache
+    if _validator_cache is None:
+        from importlib import resources
+
+        import jsonschema
+        from jsonschema import validators
+
+        schema = json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text("utf-8"))
+        base = jsonschema.Draft202012Validator
+        base.check_schema(schema)
+        # JSON Schema counts 1.0 as an integer; a pid or a size read from a manifest must be an int.
+        strict = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+        _validator_cache = validators.extend(base, type_checker=strict)(schema)
+    return _validator_cache
 
 
-def _valid_name(name: str) -> bool:
-    parts = name.split("/")
-    return (bool(name) and len(name) <= 4096 and "\0" not in name and not name.startswith("/")
-            and all(p not in ("", ".", "..") for p in parts))
-
-
-def _validate_gpu(gpu: Any, image_dir: str) -> None:
-    if not isinstance(gpu, dict):
-        raise _invalid("manifest field `gpu` is not an object", image_dir)
-    _require(gpu, "driver_version", str, image_dir)
-    gpus = _require(gpu, "gpus", list, image_dir)
-    for g in gpus:
-        if not isinstance(g, dict):
-            raise _invalid("manifest GPU entry is not an object", image_dir)
-        for key in ("name", "uuid"):
-            _require(g, key, str, image_dir)
-        for key in ("index", "memory_total", "used_by_image"):
-            if _require(g, key, int, image_dir) < 0:
-                raise _invalid(f"manifest GPU field `{key}` is negative", image_dir)
+def _json_path(parts: Any) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier():
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out if len(out) <= 120 else out[:120] + "..."
 
 
 def validate_manifest(manifest: Any, image_dir: str) -> dict[str, Any]:
-    """Check the shape of a manifest that may come from another host; return it."""
-    if not isinstance(manifest, dict):
-        raise _invalid("manifest is not a JSON object", image_dir)
-    if manifest.get("schema") != SCHEMA:
-        raise _invalid(f"manifest schema is {manifest.get('schema')!r}, expected {SCHEMA!r}", image_dir)
-    _require(manifest, "snapguard_version", str, image_dir)
-    _require(manifest, "epoch", (int, float), image_dir)
-    _require(manifest, "criu_version", str, image_dir)
-    _require(manifest, "image_bytes", int, image_dir)
-    host = _require(manifest, "host", dict, image_dir)
-    for key in ("kernel", "arch", "hostname"):
-        _require(host, key, str, image_dir)
-    cpu = _require(host, "cpu", dict, image_dir)
-    _require(cpu, "model", str, image_dir)
-    flags = _require(cpu, "flags", list, image_dir)
-    if not all(isinstance(f, str) and f.isprintable() and len(f) < 64 for f in flags):
-        raise _invalid("manifest CPU flags are not short strings", image_dir)
-    if manifest.get("network_lock") not in (None, "skip"):
-        raise _invalid("manifest field `network_lock` must be null or \"skip\"", image_dir)
-    if not isinstance(manifest.get("own_netns", False), bool):
-        raise _invalid("manifest field `own_netns` is not a boolean", image_dir)
-    if manifest.get("gpu") is not None:
-        _validate_gpu(manifest["gpu"], image_dir)
-    files = _require(manifest, "files", dict, image_dir)
-    if len(files) > _MAX_FILES:
-        raise _invalid(f"manifest lists {len(files)} files, more than {_MAX_FILES}", image_dir)
-    for name, entry in files.items():
-        if not _valid_name(name):
-            raise _invalid(f"manifest file name {name!r} is not a plain relative path", image_dir)
-        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0
-                or not isinstance(entry.get("sha256"), str) or not _HEX64.match(entry["sha256"])):
-            raise _invalid(f"manifest entry for {name!r} needs a size and a sha256", image_dir)
-    return manifest
+    """Check a manifest that may come from another host against the schema; return it.
+
+    The first (most relevant) violation becomes one MANIFEST_INVALID line naming the field."""
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_validator().iter_errors(manifest))
+    if error is None:
+        return manifest
+    message = error.message
+    if error.validator == "const":
+        message = f"{error.instance!r} is not {error.validator_value!r}"
+    elif error.validator == "not":
+        message = f"{error.instance!r} is not allowed"
+    shown = repr(error.instance)
+    if len(shown) > 80:  # the messages quote the bad value whole: keep its start only
+        message = message.replace(shown, shown[:80] + "...")
+    message = " ".join(message.split())
+    if len(message) > _MAX_DETAIL:
+        message = message[:_MAX_DETAIL] + "..."
+    where = _json_path(error.absolute_path)
+    raise _invalid(f"manifest field {where}: {message}" if where else f"manifest: {message}", image_dir)
 
 
-def verify(image_dir: str) -> dict[str, Any]:
-    """Refuse an incomplete, corrupt or invalid image; return its validated manifest."""
-    marker_path = os.path.join(image_dir, MARKER_NAME)
-    manifest_path = os.path.join(image_dir, MANIFEST_NAME)
-    if not os.path.isdir(image_dir):
-        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir} does not exist",
-                             evidence={"image": image_dir})
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _open_image_dir(image_dir: str) -> tuple[int, str]:
+    """The image directory opened (O_NOFOLLOW) once it and every directory above it are root's
+    alone; with its canonical path."""
+    evidence = {"image": image_dir}
+    parent, base = os.path.split(os.path.abspath(image_dir))
+    if not base:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"{image_dir} is not an image directory", evidence=evidence)
     try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read(4096))
-        expected = marker["manifest_sha256"]
+        # The walk of the image directory itself: a sticky parent (/tmp) is fine when the image
+        # directory in it is root's (nobody else can rename it), which the walk checks
+        if os.path.islink(os.path.join(parent, base)):
+            raise trust.UntrustedPathError(os.path.join(parent, base), "is a symlink: snapguard never follows "
+                                           "one into an image")
+        parent, base = os.path.split(trust.resolve_trusted(os.path.join(parent, base), "dir"))
+    except trust.UntrustedPathError as e:
+        if e.missing:
+            raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir} does not exist",
+                                 evidence=evidence) from None
+        raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={"image": image_dir, "path": e.path}) from None
+    path = os.path.join(parent, base)
+    evidence["path"] = path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir} does not exist",
+                             evidence=evidence) from None
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir}: {e.strerror}",
+                             evidence=evidence) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {path} is a symlink: snapguard never "
+                             "follows one into an image", evidence=evidence)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir} is not a directory",
+                             evidence=evidence)
+    try:
+        dir_fd = os.open(path, _O_DIR)
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {path} cannot be opened: {e.strerror}",
+                             evidence=evidence) from None
+    try:
+        why = _untrusted(os.fstat(dir_fd))
+        if why:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {path} {why}: others could have "
+                                 "planted or changed what CRIU would restore as root", evidence=evidence)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd, path
+
+
+def _read_member(dir_fd: int, name: str, cap: int, image_dir: str, reason: Reason) -> bytes:
+    """The whole of snapguard's own file `name` in the image (marker or manifest), at most `cap`
+    bytes; anything but a regular file of root's is refused with `reason`. FileNotFoundError
+    propagates."""
+    evidence = {"image": image_dir, "path": os.path.join(image_dir, name)}
+    try:
+        fd, st = _open_regular(dir_fd, name)
+    except _NotRegular as e:
+        raise SnapguardError(reason, f"{name} in {image_dir} is {e.kind}, not a regular file",
+                             evidence=evidence) from None
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SnapguardError(reason, f"cannot open {name} in {image_dir}: {e.strerror}", evidence=evidence) from None
+    try:
+        why = _untrusted(st)
+        if why:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, f"{name} in {image_dir} {why}", evidence=evidence)
+        if st.st_size > cap:
+            raise SnapguardError(reason, f"{name} in {image_dir} is {st.st_size} bytes, more than {cap}",
+                                 evidence=evidence)
+        try:
+            data = _read_capped(fd, cap)
+        except OSError as e:
+            raise SnapguardError(reason, f"cannot read {name} in {image_dir}: {e.strerror}",
+                                 evidence=evidence) from None
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        raise SnapguardError(reason, f"{name} in {image_dir} is more than {cap} bytes", evidence=evidence)
+    return data
+
+
+def _read_marker(dir_fd: int, image_dir: str) -> str:
+    """The manifest's sha256 as the completion marker records it."""
+    try:
+        data = _read_member(dir_fd, MARKER_NAME, _MAX_MARKER_BYTES, image_dir, Reason.IMAGE_CORRUPT)
     except FileNotFoundError:
         raise SnapguardError(Reason.IMAGE_INCOMPLETE,
                              f"{image_dir} has no {MARKER_NAME}: the image was not completed or not fully copied",
                              evidence={"image": image_dir}) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"completion marker {marker_path} is unreadable: {e}",
-                             evidence={"image": image_dir}) from None
     try:
-        with open(manifest_path, "rb") as f:
-            data = f.read(_MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise _invalid(f"cannot read {manifest_path}: {e.strerror}", image_dir) from None
+        expected = json.loads(data, parse_constant=_no_constant)["manifest_sha256"]
+        if not isinstance(expected, str):
+            raise TypeError("manifest_sha256 is not a string")
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:_MAX_DETAIL]
+        raise SnapguardError(Reason.IMAGE_CORRUPT,
+                             f"completion marker {os.path.join(image_dir, MARKER_NAME)} is unreadable: {detail}",
+                             evidence={"image": image_dir}) from None
+    return expected
+
+
+def _read_manifest(dir_fd: int, image_dir: str) -> dict[str, Any]:
+    expected = _read_marker(dir_fd, image_dir)
+    manifest_path = os.path.join(image_dir, MANIFEST_NAME)
+    try:
+        data = _read_member(dir_fd, MANIFEST_NAME, _MAX_MANIFEST_BYTES, image_dir, Reason.MANIFEST_INVALID)
+    except FileNotFoundError:
+        raise _invalid(f"{manifest_path} is missing", image_dir) from None
     if hashlib.sha256(data).hexdigest() != expected:
         raise SnapguardError(Reason.IMAGE_CORRUPT, f"{MANIFEST_NAME} does not match the completion marker",
                              evidence={"image": image_dir, "path": manifest_path})
     try:
-        manifest = validate_manifest(json.loads(data), image_dir)
-    except ValueError as e:
-        raise _invalid(f"{manifest_path} is not JSON: {e}", image_dir) from None
-    files: dict[str, dict[str, Any]] = manifest["files"]
+        manifest = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        detail = " ".join(str(e).split())[:_MAX_DETAIL] or type(e).__name__
+        raise _invalid(f"{manifest_path} is not JSON: {detail}", image_dir) from None
+    return validate_manifest(manifest, image_dir)
+
+
+def _check_files(dir_fd: int, image_dir: str, files: dict[str, dict[str, Any]]
+                 ) -> dict[str, tuple[int, tuple[int, int]]]:
+    """Each listed file: a regular file of root's with the recorded size. {name: (size, ident)}."""
+    checked = {}
     for name, entry in files.items():
-        path = os.path.join(image_dir, name)
+        evidence = {"image": image_dir, "path": os.path.join(image_dir, name)}
         try:
-            st = os.lstat(path)
-        except OSError:
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {name} is missing",
-                                 evidence={"image": image_dir, "path": path}) from None
-        if not os.path.isfile(path) or os.path.islink(path) or st.st_size != entry["size"]:
+            fd, st = _open_regular(dir_fd, name)
+        except _NotRegular as e:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} is {e.kind}, not a regular file",
+                                 evidence=evidence) from None
+        except FileNotFoundError:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} is missing",
+                                 evidence=evidence) from None
+        except (OSError, ValueError) as e:  # ValueError: a name the file system cannot encode
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} cannot be opened: "
+                                 f"{getattr(e, 'strerror', None) or type(e).__name__}", evidence=evidence) from None
+        os.close(fd)
+        why = _untrusted(st)
+        if why:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, f"image file {_show(name)} {why}", evidence=evidence)
+        if st.st_size != entry["size"]:
             raise SnapguardError(Reason.IMAGE_CORRUPT,
-                                 f"image file {name} has size {st.st_size}, manifest says {entry['size']}",
-                                 evidence={"image": image_dir, "path": path})
-    for name, (_, digest) in _hash_all(image_dir, list(files)).items():
+                                 f"image file {_show(name)} has size {st.st_size}, manifest says {entry['size']}",
+                                 evidence=evidence)
+        checked[name] = (st.st_size, (st.st_dev, st.st_ino))
+    return checked
+
+
+def _check_unlisted(dir_fd: int, image_dir: str, files: dict[str, Any]) -> None:
+    """Nothing the manifest does not list, but for _NOT_IMAGE and temporary names; those must be
+    regular files of root's too (CRIU and snapguard write restore.log and the like in place)."""
+    try:
+        names = sorted(os.listdir(dir_fd))
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"cannot list image directory {image_dir}: {e.strerror}",
+                             evidence={"image": image_dir}) from None
+    for name in names:
+        if name in files:
+            continue
+        evidence = {"image": image_dir, "path": os.path.join(image_dir, name)}
+        if not _not_image(name):
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image directory holds {_show(name)}, which the manifest "
+                                 "does not list: CRIU would read it", evidence=evidence)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"{_show(name)} in the image: {e.strerror}",
+                                 evidence=evidence) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"{_show(name)} in the image is {_kind(st.st_mode)}, not "
+                                 "a regular file: a restore would write through it", evidence=evidence)
+        why = _untrusted(st)
+        if why:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, f"{_show(name)} in the image {why}", evidence=evidence)
+
+
+def verify(image_dir: str) -> dict[str, Any]:
+    """Refuse an untrusted, incomplete, corrupt or invalid image; return its validated manifest."""
+    dir_fd, _ = _open_image_dir(image_dir)
+    try:
+        manifest = _read_manifest(dir_fd, image_dir)
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        checked = _check_files(dir_fd, image_dir, files)
+        _check_unlisted(dir_fd, image_dir, files)
+        try:
+            digests = _hash_all(dir_fd, checked)
+        except _Changed as e:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(e.name)} was replaced while it was "
+                                 "being verified", evidence={"image": image_dir,
+                                                             "path": os.path.join(image_dir, e.name)}) from None
+        except OSError as e:
+            name = e.filename if isinstance(e.filename, str) else "?"
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} cannot be read: {e.strerror}",
+                                 evidence={"image": image_dir, "path": os.path.join(image_dir, name)}) from None
+    finally:
+        os.close(dir_fd)
+    for name, digest in digests.items():
         if digest != files[name]["sha256"]:
             raise SnapguardError(Reason.IMAGE_CORRUPT,
-                                 f"image file {name} has sha256 {digest[:16]}..., manifest says "
+                                 f"image file {_show(name)} has sha256 {digest[:16]}..., manifest says "
                                  f"{files[name]['sha256'][:16]}...",
                                  evidence={"image": image_dir, "path": os.path.join(image_dir, name),
                                            "expected": files[name]["sha256"], "actual": digest})
     return manifest
-
 
 def compare_with_host(manifest: dict[str, Any], host: dict[str, Any], criu_version: str) -> list[Finding]:
     """What stops this image from running here (blockers) and what differs (warnings)."""

@@ -1,13 +1,19 @@
+import hashlib
 import json
 import os
+import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
 
 from snapguard import image
-from snapguard._host import host_facts
+from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, Severity, SnapguardError
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to another user")
 
 
 def _fields() -> dict:
@@ -20,25 +26,69 @@ def sealed(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "pages-1.img").write_bytes(os.urandom(300_000))
     (d / "core-1.img").write_bytes(b"core")
-    (d / "sub").mkdir()
-    (d / "sub" / "x.img").write_bytes(b"x")
     image.seal(str(d), _fields())
     return d
 
 
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A root-only file outside the image, of a size no image file has."""
+    secret_dir = tmp_path / "root-only"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "secret"
+    secret.write_bytes(b"s" * 123_457)
+    secret.chmod(0o644)
+    return secret
+
+
+def _reseal(d: Path, m: dict) -> None:
+    """Write a manifest as someone with root on another host would: with a matching marker."""
+    data = json.dumps(m).encode()
+    (d / image.MANIFEST_NAME).write_bytes(data)
+    (d / image.MARKER_NAME).write_text(json.dumps({"manifest_sha256": hashlib.sha256(data).hexdigest()}))
+
+
+def _refusal(d: Path) -> SnapguardError:
+    with pytest.raises(SnapguardError) as e:
+        image.verify(str(d))
+    assert "\n" not in str(e.value)
+    return e.value
+
+
 def test_seal_writes_private_manifest_and_marker(sealed: Path) -> None:
     manifest = image.verify(str(sealed))
-    assert set(manifest["files"]) == {"pages-1.img", "core-1.img", "sub/x.img"}
-    assert manifest["image_bytes"] == 300_000 + 4 + 1
-    for name in (image.MANIFEST_NAME, image.MARKER_NAME, "pages-1.img"):
+    assert set(manifest["files"]) == {"pages-1.img", "core-1.img"}
+    assert manifest["image_bytes"] == 300_000 + 4
+    for name in (image.MANIFEST_NAME, image.MARKER_NAME, "pages-1.img", "core-1.img"):
         assert stat.S_IMODE((sealed / name).stat().st_mode) == 0o600
+    assert not [p for p in sealed.iterdir() if ".tmp." in p.name]
+
+
+def test_parallel_span_hashing_matches_sequential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "pages-1.img").write_bytes(os.urandom(10_000))
+    (d / "empty.img").write_bytes(b"")
+    sequential = image.seal(str(d), _fields())["files"]
+    monkeypatch.setattr(image, "_SPAN", 1000)
+    monkeypatch.setattr(image, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    parallel = image.seal(str(d), _fields())["files"]
+    assert image.verify(str(d))["files"] == parallel
+    assert parallel["empty.img"] == sequential["empty.img"]
+    # the span scheme: the sha256 of the spans' sha256s
+    data = (d / "pages-1.img").read_bytes()
+    spans = b"".join(hashlib.sha256(data[i:i + 1000]).digest() for i in range(0, len(data), 1000))
+    assert parallel["pages-1.img"]["sha256"] == hashlib.sha256(spans).hexdigest()
 
 
 def test_missing_marker_is_incomplete(sealed: Path) -> None:
     (sealed / image.MARKER_NAME).unlink()
-    with pytest.raises(SnapguardError) as e:
-        image.verify(str(sealed))
-    assert e.value.reason is Reason.IMAGE_INCOMPLETE
+    assert _refusal(sealed).reason is Reason.IMAGE_INCOMPLETE
+
+
+def test_missing_image_dir_is_incomplete(tmp_path: Path) -> None:
+    assert _refusal(tmp_path / "nothing-here").reason is Reason.IMAGE_INCOMPLETE
 
 
 @pytest.mark.parametrize("tamper", ["flip", "truncate", "delete", "symlink"])
@@ -57,10 +107,9 @@ def test_tampered_file_is_corrupt(sealed: Path, tamper: str) -> None:
         (sealed / "elsewhere").write_bytes(data)
         target.unlink()
         target.symlink_to(sealed / "elsewhere")
-    with pytest.raises(SnapguardError) as e:
-        image.verify(str(sealed))
-    assert e.value.reason is Reason.IMAGE_CORRUPT
-    assert "pages-1.img" in str(e.value)
+    e = _refusal(sealed)
+    assert e.reason is Reason.IMAGE_CORRUPT
+    assert "pages-1.img" in str(e)
 
 
 def test_edited_manifest_is_corrupt(sealed: Path) -> None:
@@ -68,33 +117,328 @@ def test_edited_manifest_is_corrupt(sealed: Path) -> None:
     m = json.loads(path.read_text())
     m["container_id"] = "other"
     path.write_text(json.dumps(m))
+    assert _refusal(sealed).reason is Reason.IMAGE_CORRUPT
+
+
+# --- seal never follows a link ------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["symlink", "symlink-to-dir", "hardlink"])
+def test_seal_refuses_planted_link_and_leaves_its_target_alone(tmp_path: Path, outside: Path, how: str) -> None:
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"core")
+    if how == "symlink":
+        (d / "pages-2.img").symlink_to(outside)
+    elif how == "symlink-to-dir":
+        (d / "pages-2.img").symlink_to(outside.parent)
+    else:
+        os.link(outside, d / "pages-2.img")
+    before = outside.stat()
     with pytest.raises(SnapguardError) as e:
-        image.verify(str(sealed))
-    assert e.value.reason is Reason.IMAGE_CORRUPT
+        image.seal(str(d), _fields())
+    assert e.value.reason is Reason.IMAGE_WRITE_FAILED
+    assert "pages-2.img" in str(e.value)
+    after = outside.stat()
+    assert stat.S_IMODE(after.st_mode) == 0o644 == stat.S_IMODE(before.st_mode)
+    assert stat.S_IMODE(outside.parent.stat().st_mode) == 0o700
+    assert not (d / image.MARKER_NAME).exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket", "subdirectory"])
+def test_seal_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"core")
+    odd = d / "odd.img"
+    if kind == "fifo":
+        os.mkfifo(odd)
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(odd, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(odd))
+        s.close()
+    else:
+        odd.mkdir()
+        (odd / "x.img").write_bytes(b"x")
+    t0 = time.monotonic()
+    with pytest.raises(SnapguardError) as e:
+        image.seal(str(d), _fields())
+    assert time.monotonic() - t0 < 5
+    assert e.value.reason is Reason.IMAGE_WRITE_FAILED and "odd.img" in str(e.value)
+    assert not (d / image.MARKER_NAME).exists()
+
+
+def test_seal_refuses_symlinked_image_dir(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "core-1.img").write_bytes(b"core")
+    (tmp_path / "img").symlink_to(real)
+    with pytest.raises(SnapguardError) as e:
+        image.seal(str(tmp_path / "img"), _fields())
+    assert e.value.reason is Reason.IMAGE_WRITE_FAILED
+    assert stat.S_IMODE((real / "core-1.img").stat().st_mode) == 0o644
+
+
+def test_seal_refuses_a_symlinked_manifest_name(tmp_path: Path, outside: Path) -> None:
+    """A leftover manifest name that is a symlink is refused; the link's target is untouched."""
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"core")
+    (d / image.MANIFEST_NAME).symlink_to(outside)
+    with pytest.raises(SnapguardError) as e:
+        image.seal(str(d), _fields())
+    assert e.value.reason is Reason.IMAGE_WRITE_FAILED and image.MANIFEST_NAME in str(e.value)
+    assert outside.read_bytes() == b"s" * 123_457
+
+
+def test_failed_reseal_leaves_no_marker(sealed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(image, "_write_at", fail)
+    with pytest.raises(OSError):
+        image.seal(str(sealed), _fields())
+    assert not (sealed / image.MARKER_NAME).exists()
+    assert _refusal(sealed).reason is Reason.IMAGE_INCOMPLETE
+
+
+# --- verify reads nothing outside the image -----------------------------------------------------
+
+def test_manifest_path_through_symlinked_subdir_is_refused_without_disclosure(sealed: Path, outside: Path) -> None:
+    (sealed / "sub").symlink_to(outside.parent)
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m["files"]["sub/secret"] = {"size": 1, "sha256": "0" * 64}
+    _reseal(sealed, m)
+    e = _refusal(sealed)
+    assert e.reason is Reason.MANIFEST_INVALID
+    assert "files" in str(e) and "sub/secret" in str(e)
+    assert "123457" not in str(e) and "123457" not in json.dumps(e.failure.evidence)
+
+
+def test_listed_symlink_to_outside_file_is_refused_without_disclosure(sealed: Path, outside: Path) -> None:
+    (sealed / "secret.img").symlink_to(outside)
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m["files"]["secret.img"] = {"size": 1, "sha256": "0" * 64}
+    _reseal(sealed, m)
+    e = _refusal(sealed)
+    assert e.reason is Reason.IMAGE_CORRUPT and "secret.img" in str(e) and "symlink" in str(e)
+    assert "123457" not in str(e)
+
+
+@pytest.mark.timeout(10)
+def test_listed_fifo_does_not_block(sealed: Path) -> None:
+    os.mkfifo(sealed / "fifo.img")
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m["files"]["fifo.img"] = {"size": 0, "sha256": "0" * 64}
+    _reseal(sealed, m)
+    e = _refusal(sealed)
+    assert e.reason is Reason.IMAGE_CORRUPT and "fifo.img" in str(e)
+
+
+# --- nothing unlisted reaches CRIU --------------------------------------------------------------
+
+def test_unlisted_file_is_refused(sealed: Path) -> None:
+    (sealed / "cgroup.img").write_bytes(b"planted")
+    (sealed / "cgroup.img").chmod(0o600)
+    e = _refusal(sealed)
+    assert e.reason is Reason.IMAGE_CORRUPT and "cgroup.img" in str(e)
+
+
+def test_what_a_restore_adds_is_tolerated(sealed: Path) -> None:
+    for name in ("restore.log", "stats-restore", "restored.pid", "snapguard-result.json",
+                 f"snapguard-result.json.tmp.{os.getpid()}"):
+        (sealed / name).write_bytes(b"x")
+    image.verify(str(sealed))
+    (sealed / "stats-restore").write_bytes(b"second restore")
+    image.verify(str(sealed))
+
+
+def test_symlink_where_a_restore_writes_is_refused(sealed: Path, outside: Path) -> None:
+    (sealed / "restore.log").symlink_to(outside)
+    e = _refusal(sealed)
+    assert e.reason is Reason.IMAGE_CORRUPT and "restore.log" in str(e)
+
+
+# --- snapguard's own files: never blocked, never anything but regular files ---------------------
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name, reason", [(image.MARKER_NAME, Reason.IMAGE_CORRUPT),
+                                          (image.MANIFEST_NAME, Reason.MANIFEST_INVALID)])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_marker_or_manifest_that_is_not_a_regular_file(sealed: Path, outside: Path, name: str, reason: Reason,
+                                                       kind: str) -> None:
+    (sealed / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(sealed / name)
+    elif kind == "directory":
+        (sealed / name).mkdir()
+    else:
+        (sealed / name).symlink_to(outside)
+    e = _refusal(sealed)
+    assert e.reason is reason and name in str(e)
+
+
+def test_oversized_marker_is_corrupt(sealed: Path) -> None:
+    (sealed / image.MARKER_NAME).write_bytes(b" " * 5000)
+    assert _refusal(sealed).reason is Reason.IMAGE_CORRUPT
+
+
+@pytest.mark.parametrize("marker", [b"[]", b'"x"', b'{"manifest_sha256": 5}', b"{", b"\xff"])
+def test_malformed_marker_is_corrupt(sealed: Path, marker: bytes) -> None:
+    (sealed / image.MARKER_NAME).write_bytes(marker)
+    assert _refusal(sealed).reason is Reason.IMAGE_CORRUPT
+
+
+# --- directory and file trust at restore --------------------------------------------------------
+
+@as_root
+def test_image_dir_owned_by_another_user_is_untrusted(sealed: Path) -> None:
+    os.chown(sealed, NOBODY, NOBODY)
+    e = _refusal(sealed)
+    assert e.reason is Reason.UNTRUSTED_PATH and "uid 65534" in str(e)
+
+
+def test_group_writable_image_dir_is_untrusted(sealed: Path) -> None:
+    sealed.chmod(0o770)
+    assert _refusal(sealed).reason is Reason.UNTRUSTED_PATH
+
+
+@as_root
+def test_image_dir_under_another_users_directory_is_untrusted(tmp_path: Path) -> None:
+    parent = tmp_path / "theirs"
+    parent.mkdir()
+    d = parent / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"core")
+    image.seal(str(d), _fields())
+    os.chown(parent, NOBODY, NOBODY)
+    e = _refusal(d)
+    assert e.reason is Reason.UNTRUSTED_PATH and e.failure.evidence["image"] == str(d)
+
+
+def test_symlinked_image_dir_is_untrusted(sealed: Path) -> None:
+    link = sealed.parent / "link"
+    link.symlink_to(sealed)
+    assert _refusal(link).reason is Reason.UNTRUSTED_PATH
+
+
+@as_root
+@pytest.mark.parametrize("name", ["pages-1.img", image.MANIFEST_NAME])
+def test_image_file_owned_by_another_user_is_untrusted(sealed: Path, name: str) -> None:
+    os.chown(sealed / name, NOBODY, NOBODY)
+    e = _refusal(sealed)
+    assert e.reason is Reason.UNTRUSTED_PATH and name in str(e)
+
+
+def test_group_writable_image_file_is_untrusted(sealed: Path) -> None:
+    (sealed / "core-1.img").chmod(0o660)
+    e = _refusal(sealed)
+    assert e.reason is Reason.UNTRUSTED_PATH and "core-1.img" in str(e)
+
+
+# --- the manifest's schema ----------------------------------------------------------------------
+
+def _gpu(**over) -> dict:
+    g = {"index": 0, "name": "H200", "uuid": "GPU-1", "pci_bus_id": "0000:01:00.0", "minor": 0,
+         "compute_capability": "9.0", "memory_total": 1 << 30, "used_by_image": 1 << 20}
+    return {"driver_version": "570.1", "cuda_driver_version": 12080, "gpus": [{**g, **over}]}
+
+
+_PROC = {"pid": 7, "comm": "python", "gpu": True, "gpu_memory_bytes": 0, "rss_bytes": 1}
+
+
+def _file(name: str, size: object = 1, sha256: object = "0" * 64, **more: object):
+    return lambda m: m["files"].update({name: {"size": size, "sha256": sha256, **more}})
+
+
+def _set(**fields: object):
+    return lambda m: m.update(fields)
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda m: m.update(schema="other/9"), "schema"),
-    (lambda m: m["files"].update({"../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "plain relative path"),
-    (lambda m: m["files"].update({"/abs": {"size": 1, "sha256": "0" * 64}}), "plain relative path"),
-    (lambda m: m["files"].update({"a.img": {"size": -1, "sha256": "0" * 64}}), "needs a size"),
-    (lambda m: m["files"].update({"a.img": {"size": 1, "sha256": "zz"}}), "needs a size"),
-    (lambda m: m["host"]["cpu"].update(flags="sse2"), "flags"),
-    (lambda m: m.update(epoch="yesterday"), "epoch"),
-    (lambda m: m.update(epoch=True), "epoch"),
-], ids=["schema", "traversal", "absolute", "size", "sha", "flags", "epoch", "epoch-bool"])
+    pytest.param(_set(schema="other/9"), "field schema", id="schema"),
+    pytest.param(_file("../etc/passwd"), "field files", id="traversal"),
+    pytest.param(_file("/abs"), "field files", id="absolute"),
+    pytest.param(_file("sub/x.img"), "field files", id="subdirectory"),
+    pytest.param(_file(".."), "field files", id="dotdot"),
+    pytest.param(_file(""), "field files", id="empty-name"),
+    pytest.param(_file("a\0b"), "field files", id="nul"),
+    pytest.param(_file("x" * 256), "field files", id="long-name"),
+    pytest.param(_file("a.img", size=-1), "size", id="size-negative"),
+    pytest.param(_file("a.img", size=1.0), "size", id="size-float"),
+    pytest.param(_file("a.img", size=None), "size", id="size-null"),
+    pytest.param(_file("a.img", sha256="zz"), "sha256", id="sha"),
+    pytest.param(_file("a.img", sha256="0" * 64 + "\n"), "sha256", id="sha-newline"),
+    pytest.param(_file("a.img", path="/etc"), "path", id="entry-extra-field"),
+    pytest.param(_set(files=[]), "field files", id="files-array"),
+    pytest.param(lambda m: m["host"]["cpu"].update(flags="sse2"), "flags", id="flags-string"),
+    pytest.param(lambda m: m["host"]["cpu"].update(flags=["sse2\n"]), "flags", id="flags-newline"),
+    pytest.param(lambda m: m["host"].pop("arch"), "arch", id="host-arch-missing"),
+    pytest.param(_set(epoch="yesterday"), "epoch", id="epoch"),
+    pytest.param(_set(epoch=True), "epoch", id="epoch-bool"),
+    pytest.param(_set(processes=5), "processes", id="processes-number"),
+    pytest.param(_set(processes=None), "processes", id="processes-null"),
+    pytest.param(lambda m: m.pop("processes"), "processes", id="processes-missing"),
+    pytest.param(_set(processes=[5]), "processes", id="process-number"),
+    pytest.param(_set(processes=[{**_PROC, "pid": 0}]), "pid", id="pid-zero"),
+    pytest.param(_set(processes=[{**_PROC, "pid": "1"}]), "pid", id="pid-string"),
+    pytest.param(_set(processes=[{**_PROC, "nspid": 1.5}]), "nspid", id="nspid-float"),
+    pytest.param(_set(processes=[{**_PROC, "gpu": "yes"}]), "gpu", id="process-gpu-string"),
+    pytest.param(_set(image_bytes=None), "image_bytes", id="image-bytes-null"),
+    pytest.param(_set(criu_version=4), "criu_version", id="criu-version-number"),
+    pytest.param(_set(network_lock="all"), "network_lock", id="network-lock"),
+    pytest.param(_set(own_netns="no"), "own_netns", id="own-netns"),
+    pytest.param(_set(tcp_connections=-1), "tcp_connections", id="tcp-connections"),
+    pytest.param(_set(leave_running=1), "leave_running", id="leave-running"),
+    pytest.param(_set(take_point=[]), "take_point", id="take-point"),
+    pytest.param(_set(gpu=5), "gpu", id="gpu-number"),
+    pytest.param(_set(gpu=_gpu(used_by_image=-1)), "used_by_image", id="gpu-used-negative"),
+    pytest.param(_set(gpu={**_gpu(), "gpus": None}), "gpus", id="gpus-null"),
+    pytest.param(_set(gpu=_gpu(uuid=None)), "uuid", id="gpu-uuid-null"),
+    pytest.param(_set(container_id=["c"]), "container_id", id="container-id"),
+    pytest.param(_set(root_pid=-1), "root_pid", id="root-pid"),
+])
 def test_invalid_manifest_from_another_host(mutate, message: str, sealed: Path) -> None:
-    """A manifest resealed with a valid marker but invalid content is MANIFEST_INVALID."""
-    path = sealed / image.MANIFEST_NAME
-    m = json.loads(path.read_text())
+    """A manifest resealed with a valid marker but invalid content is one line of MANIFEST_INVALID."""
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
     mutate(m)
-    data = json.dumps(m).encode()
-    path.write_bytes(data)
-    import hashlib
+    _reseal(sealed, m)
+    e = _refusal(sealed)
+    assert e.reason is Reason.MANIFEST_INVALID
+    assert message in str(e)
+
+
+def test_processes_not_an_array_names_the_field(sealed: Path) -> None:
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m["processes"] = 5
+    _reseal(sealed, m)
+    assert _refusal(sealed).failure.detail == "manifest field processes: 5 is not of type 'array'"
+
+
+def test_long_values_are_truncated(sealed: Path) -> None:
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m["processes"] = "p" * 100_000
+    _reseal(sealed, m)
+    assert len(str(_refusal(sealed))) < 600
+
+
+@pytest.mark.parametrize("data", [b'{"epoch": NaN}', b"[" * 100_000, b"\xff\xfe", b"{}"])
+def test_manifest_that_is_not_a_manifest(sealed: Path, data: bytes) -> None:
+    (sealed / image.MANIFEST_NAME).write_bytes(data)
     (sealed / image.MARKER_NAME).write_text(json.dumps({"manifest_sha256": hashlib.sha256(data).hexdigest()}))
-    with pytest.raises(SnapguardError, match=message) as e:
-        image.verify(str(sealed))
-    assert e.value.reason is Reason.MANIFEST_INVALID
+    assert _refusal(sealed).reason is Reason.MANIFEST_INVALID
+
+
+def test_valid_full_manifest_and_unknown_top_level_fields(sealed: Path) -> None:
+    m = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    m.update(processes=[{**_PROC, "nspid": 1}], gpu=_gpu(), network_lock="skip", own_netns=True, tcp_connections=2,
+             leave_running=False, take_point={"7": {"step": 3}}, root_pid=7, bare=True, added_in_v2={"x": 1})
+    _reseal(sealed, m)
+    assert image.verify(str(sealed))["gpu"]["gpus"][0]["uuid"] == "GPU-1"
+    assert image.validate_manifest(m, str(sealed)) is m
 
 
 def test_image_larger_than_available_memory() -> None:
