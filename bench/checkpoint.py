@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_rev, summary, write  # noqa: E402
 
-from snapguard.testbed import Containerd, CounterLog  # noqa: E402
+from snapguard_lab.testbed import Containerd, CounterLog  # noqa: E402
 
 
 def one_cycle(ctd: Containerd, runc_binary: str, out: Path, cid: str) -> tuple[float, float]:

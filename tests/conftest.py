@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard.testbed import Containerd
+from snapguard_lab.testbed import Containerd
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from snapguard.cuda._driver import Driver
+from snapguard.cuda import Driver
 
 WORKER = r"""
 import sys, time, torch

@@ -24,7 +24,7 @@ import sys
 import time
 
 from snapguard.cuda import CudaError, recover
-from snapguard.cuda._driver import Driver
+from snapguard.cuda import Driver
 from snapguard.preflight.gpu import gpu_facts
 
 WORKER = r"""

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from snapguard import criu, cuda
 from snapguard.config import load
-from snapguard.bare import checkpoint_pid
+from snapguard.pipeline import checkpoint_pid
 from snapguard.gpu_suspend import resume as recover_cuda
 from snapguard.reasons import SnapguardError
-from snapguard.torch_drill import Trainer, compare
+from snapguard_lab.torch_drill import Trainer, compare
 
 
 def main() -> int:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from snapguard.config import load
-from snapguard.bare import checkpoint_pid, restore_images
-from snapguard.testbed import DdpJob
+from snapguard.pipeline import checkpoint_pid, restore_images
+from snapguard_lab.testbed import DdpJob
 
 
 def main() -> int:

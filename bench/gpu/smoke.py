@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from snapguard.config import load
-from snapguard.bare import checkpoint_pid, restore_images
+from snapguard.pipeline import checkpoint_pid, restore_images
 
 WORKER = r"""
 import sys, time, torch

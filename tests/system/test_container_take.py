@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 
 from snapguard.hooks import site_dir
-from snapguard.testbed import DdpJob, host_bundle, release_mounts
+from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80  # long enough that the job cannot finish while it is snapshotted
-HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, str(REPO)]
+# the ddp workload's directory too: it is the lab's package data, wherever the lab is installed
+HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, str(REPO), str(DDP_LAUNCH.parent)]
 
 
 def make_bundle(tmp_path: Path, out: Path) -> Path:
-    args = [sys.executable, str(REPO / "examples" / "ddp" / "launch.py"), "--world", "1", "--out", "/out",
-            "--steps", str(STEPS)]
+    args = [sys.executable, str(DDP_LAUNCH), "--world", "1", "--out", "/out", "--steps", str(STEPS)]
     env = ["PATH=/usr/bin:/bin", "HOME=/root", "PYTHONWARNINGS=ignore", f"PYTHONPATH={site_dir()}:{REPO}",
            "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
     return host_bundle(tmp_path / "bundle", args, env, HOST_DIRS, writable={"/out": str(out)})

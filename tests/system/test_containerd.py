@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 
-from snapguard.drill import drill_exit, drill_leave_running
-from snapguard.testbed import Containerd, CounterLog
+from snapguard_lab.drill import drill_exit, drill_leave_running
+from snapguard_lab.testbed import Containerd, CounterLog
 
 
 def test_leave_running_checkpoint_and_restore_continue_exactly(

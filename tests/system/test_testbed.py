@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard.testbed import host_bundle, release_mounts
+from snapguard_lab.testbed import host_bundle, release_mounts
 
 
 @pytest.fixture

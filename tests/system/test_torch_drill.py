@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.config import load
-from snapguard.torch_drill import run_torch_drill
+from snapguard_lab.torch_drill import run_torch_drill
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.preflight import scan
-
-from ..planted import DEVICE_MAP, IO_URING, planted
+from snapguard_lab.planted import DEVICE_MAP, IO_URING, planted
 
 pytestmark = pytest.mark.skipif(not scan.have_c_helper(), reason="C helper not built (no compiler)")
 

@@ -1,6 +1,6 @@
-"""`snapguard drill`: a real snapshot drill through containerd, snapguard-runc, runc and CRIU.
+"""`snapguard-lab drill`: a real snapshot drill through containerd, snapguard-runc, runc and CRIU.
 
-Two variants on the counter workload (examples/counter):
+Two variants on the counter workload (package data, `workloads/counter`):
 - leave-running: `ctr containers checkpoint --task` snapshots the running container, which goes on
   running; it is then killed, and `ctr containers restore --live` brings the snapshot back.
 - exit: `ctr tasks checkpoint --exit --image-path` stops the container as it is dumped; the image is
@@ -22,16 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .testbed import Containerd, CounterLog
+from .testbed import Containerd, CounterLog, snapguard_runc_path
 
 __all__ = ["run_drill", "drill_leave_running", "drill_exit"]
-
-
-def _snapguard_runc() -> str:
-    found = shutil.which("snapguard-runc", path=os.path.dirname(sys.executable) + os.pathsep + "/usr/local/bin")
-    if not found:
-        raise RuntimeError("snapguard-runc is not installed next to this Python; run `pip install -e .`")
-    return found
 
 
 def _rotate(log: CounterLog, suffix: str) -> CounterLog:
@@ -128,10 +121,11 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def run_drill(json_path: str | None = None, workdir: str | None = None) -> int:
     if os.geteuid() != 0:
-        print("snapguard INSUFFICIENT_PRIVILEGE: the drill runs containerd and CRIU and needs root", file=sys.stderr)
+        print("snapguard-lab INSUFFICIENT_PRIVILEGE: the drill runs containerd and CRIU and needs root",
+              file=sys.stderr)
         return 1
     base = Path(workdir or tempfile.mkdtemp(prefix="snapguard-drill-"))
-    runc_binary = _snapguard_runc()
+    runc_binary = snapguard_runc_path()
     ctd = Containerd(str(base / "containerd"))
     print(f"drill: containerd in {ctd.workdir}, runc binary {runc_binary}")
     try:

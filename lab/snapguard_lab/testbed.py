@@ -1,9 +1,10 @@
 """A private containerd whose runc is snapguard-runc, the counter workload image, and runc
 bundles whose rootfs is bind mounts of the host's own directories.
 
-Used by `snapguard drill`, the tests and the benchmarks: containerd runs in its own root with its
-own socket, so nothing of a node's real containerd is touched. The image is built locally from
-examples/counter and the host's static busybox; nothing is pulled.
+Used by `snapguard-lab drill`, the tests and the benchmarks: containerd runs in its own root with
+its own socket, so nothing of a node's real containerd is touched. The image is built locally from
+the counter workload (package data, `workloads/counter`) and the host's static busybox; nothing is
+pulled.
 """
 
 from __future__ import annotations
@@ -22,16 +23,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COUNTER_IMAGE", "Containerd", "CounterLog", "DdpJob", "build_counter_image", "expected_hash",
-           "host_bundle", "release_mounts"]
+import snapguard
+from snapguard.hooks import site_dir
+
+from . import workloads
+
+__all__ = ["COUNTER_IMAGE", "COUNTER_SCRIPT", "Containerd", "CounterLog", "DDP_LAUNCH", "DdpJob",
+           "build_counter_image", "expected_hash", "host_bundle", "product_root", "release_mounts",
+           "snapguard_runc_path"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
 BUSYBOX = "/bin/busybox"
 CTR = "/usr/bin/ctr"
 CONTAINERD = "/usr/bin/containerd"
-COUNTER_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "counter" / "counter.sh"
+COUNTER_SCRIPT = workloads.path("counter", "counter.sh")
 MODULUS = 1_000_000_007
 RUNC = "/usr/sbin/runc"
+
+
+def snapguard_runc_path() -> str:
+    """The installed snapguard-runc: beside this Python, else in /usr/local/bin."""
+    found = shutil.which("snapguard-runc", path=os.path.dirname(sys.executable) + os.pathsep + "/usr/local/bin")
+    if not found:
+        raise RuntimeError("snapguard-runc is not installed next to this Python; run `pip install -e .`")
+    return found
+
+
+def product_root() -> str:
+    """The directory snapguard is imported from: a workload started with the take-point hook has it
+    on PYTHONPATH, since the hook's sitecustomize imports snapguard inside the workload."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(snapguard.__file__)))
 
 
 def expected_hash(i: int) -> int:
@@ -249,12 +270,12 @@ def cleanup_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-DDP_LAUNCH = Path(__file__).resolve().parent.parent / "examples" / "ddp" / "launch.py"
+DDP_LAUNCH = workloads.path("ddp", "launch.py")
 
 
 @dataclass
 class DdpJob:
-    """A run of examples/ddp (torch.distributed, gloo) whose ranks log their loss bits per step."""
+    """A run of the ddp workload (torch.distributed, gloo) whose ranks log their loss bits per step."""
 
     out: Path
     world: int
@@ -264,12 +285,10 @@ class DdpJob:
 
     def start(self, take_dir: str | None) -> subprocess.Popen[bytes]:
         """Launch it; with take_dir, every process runs snapguard's take-point hook."""
-        from .hooks import site_dir
-
         self.out.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         if take_dir:
-            env["PYTHONPATH"] = os.pathsep.join([site_dir(), str(DDP_LAUNCH.parent.parent.parent)])
+            env["PYTHONPATH"] = os.pathsep.join([site_dir(), product_root()])
             env["SNAPGUARD_TAKE_DIR"] = take_dir
         log = open(self.out / "launcher.out", "ab")
         proc = subprocess.Popen([sys.executable, str(DDP_LAUNCH), "--world", str(self.world), "--out", str(self.out),

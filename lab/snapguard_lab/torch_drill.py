@@ -1,6 +1,6 @@
-"""`snapguard drill --workload torch`: snapshots of a live PyTorch trainer, compared bit for bit.
+"""`snapguard-lab drill --workload torch`: snapshots of a live PyTorch trainer, compared bit for bit.
 
-The examples/torch trainer runs uninterrupted as the reference. Then the arms, each a fresh run:
+The torch workload's trainer (package data, `workloads/torch/train.py`) runs uninterrupted as the reference. Then the arms, each a fresh run:
   snapshots   leave-running and stop + restore snapshots, each untrimmed and trimmed (the take
               point releases PyTorch's free reserve at a step boundary first)
   expandable  the trimmed arms with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, whose
@@ -27,20 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .bare import checkpoint_pid, restore_images
-from .cli import DEFAULT_TORCH_ARMS
-from .hooks import site_dir
-from .reasons import SnapguardError
+from snapguard.config import Config
+from snapguard.hooks import site_dir
+from snapguard.pipeline import checkpoint_pid, restore_images
+from snapguard.reasons import SnapguardError
 
-__all__ = ["Trainer", "run_torch_drill"]
+from . import workloads
+from .arms import DEFAULT_TORCH_ARMS, TORCH_ARMS
+from .testbed import host_bundle, product_root, release_mounts, snapguard_runc_path
 
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "torch" / "train.py"
+__all__ = ["DEFAULT_TORCH_ARMS", "TORCH_ARMS", "TRAIN", "Trainer", "compare", "run_torch_drill"]
+
+TRAIN = workloads.path("torch", "train.py")
 
 
 @dataclass
 class Trainer:
-    """One run of examples/torch/train.py, started in its own session, logging to files."""
+    """One run of the torch workload's train.py, started in its own session, logging to files."""
 
     workdir: Path
     name: str
@@ -67,7 +70,7 @@ class Trainer:
         env = {**os.environ, **self.env}
         if self.trimmed and take_dir:
             # the take point: no change to the trainer, only its environment
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [site_dir(), str(TRAIN.parent.parent.parent),
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [site_dir(), product_root(),
                                                               env.get("PYTHONPATH")]))
             env["SNAPGUARD_TAKE_DIR"] = take_dir
         out = open(self.workdir / f"{self.name}.out", "ab")  # O_APPEND: restorable after growth
@@ -297,21 +300,20 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     import glob
     import stat
 
-    from .drill import _snapguard_runc
-    from .testbed import host_bundle, release_mounts
-
-    executor = _snapguard_runc()
+    executor = snapguard_runc_path()
     out = base / "container-out"
     out.mkdir()
     run = Trainer(out, "container", steps, trimmed=True)
-    repo = str(TRAIN.parent.parent.parent)
+    repo = product_root()
     devices = [d for d in sorted(glob.glob("/dev/nvidia*")) if stat.S_ISCHR(os.stat(d).st_mode)]
     env = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(CONTAINER_ENV_PREFIXES)]
     env += ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "PYTHONUNBUFFERED=1",
             f"PYTHONPATH={site_dir()}:{repo}", "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
     args = [sys.executable, str(TRAIN), "--steps", str(steps), "--log", "/out/container.log",
             "--result", "/out/container.result.json", "--stderr", "/out/container.err", *extra]
-    host_dirs = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, sys.prefix, repo]
+    # the trainer's own directory too: the lab may be installed apart from snapguard
+    host_dirs = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, sys.prefix, repo,
+                 str(TRAIN.parent)]
     bundle = host_bundle(base / "bundle", args, env, host_dirs, writable={"/out": str(out)}, devices=devices,
                          runc=config.runc)
     root, cid = str(base / "runc-root"), "snapguard-torch-drill"
@@ -391,7 +393,7 @@ def run_torch_drill(config: Config, workdir: str, *, steps: int = 200, at: int =
     base = Path(workdir)
     base.mkdir(parents=True, exist_ok=True)
     if any(base.iterdir()):
-        print(f"snapguard USAGE_ERROR: {base} is not empty: earlier logs would be read as this drill's",
+        print(f"snapguard-lab USAGE_ERROR: {base} is not empty: earlier logs would be read as this drill's",
               file=sys.stderr)
         return 2
     rows: list[dict[str, Any]] = []
