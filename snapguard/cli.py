@@ -10,11 +10,9 @@ from typing import NoReturn
 
 from . import __version__
 from .config import ConfigError, load
-from .reasons import Reason
+from .reasons import Failure, Reason, SnapguardError
 
 EXIT_USAGE = 2
-TORCH_ARMS = ("snapshots", "expandable", "file", "container", "compile")
-DEFAULT_TORCH_ARMS = ("snapshots", "file", "container")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,36 +54,28 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--images", required=True, metavar="DIR", help="image directory (created 0700)")
     ck.add_argument("--leave-running", action="store_true", help="keep the tree running after the snapshot")
     ck.add_argument("--tcp-established", action="store_true", help="carry established TCP connections")
-    ck.add_argument("--take-wait", type=float, default=10.0, metavar="S",
-                    help="seconds to wait for the workload's step boundary (default 10); then go on without")
+    ck.add_argument("--take-wait", type=float, default=None, metavar="S",
+                    help="seconds to wait for the workload's step boundary (default: take_wait_s of the "
+                         "config, 10); then go on without")
+    ck.add_argument("--network-lock", choices=("auto", "iptables", "nftables", "skip"), default="auto",
+                    help="how CRIU keeps the network still: auto (default) skips it when nothing outside the "
+                         "tree can reach it, else iptables")
     ck.add_argument("--json", action="store_true", help="print the result record as JSON")
     rt = sub.add_parser("restore", help="restore a bare process tree from --images",
                         description=("Verify the image (completion marker, checksums, manifest), compare it with "
                                      "this host (CPU, driver, GPU model, count and memory, pids), restore it "
                                      "detached with CRIU and check its CUDA processes run."))
-    rt.add_argument("--images", required=True, metavar="DIR")
-    rt.add_argument("--tcp-established", action="store_true")
-    rt.add_argument("--json", action="store_true")
+    rt.add_argument("--images", required=True, metavar="DIR", help="image directory (root-owned, root-only)")
+    rt.add_argument("--tcp-established", action="store_true", help="restore established TCP connections")
+    rt.add_argument("--json", action="store_true", help="print the result record as JSON")
 
     rs = sub.add_parser("reasons", help="list the typed failure reasons",
                         description="The stable failure reason names with meaning, phase and remedy.")
     rs.add_argument("--json", action="store_true", help="print as JSON")
 
-    dr = sub.add_parser("drill", help="a real snapshot drill through containerd, runc and CRIU",
-                        description=(
-                            "Start containerd (own root, BinaryName snapguard-runc) if needed, run a counter "
-                            "container built from examples/ locally, checkpoint it through ctr (leave-running "
-                            "and exit variants), restore it, and show that it continued where it stopped."))
-    dr.add_argument("--workload", choices=("counter", "torch"), default="counter",
-                    help="counter: the CPU container drill (default); torch: snapshots of a live PyTorch "
-                         "trainer on the GPU, compared bit for bit with an uninterrupted run")
-    dr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    dr.add_argument("--workdir", metavar="DIR", help="keep containerd's root and the images here")
-    dr.add_argument("--steps", type=int, default=200, help="torch: training steps per run (default 200)")
-    dr.add_argument("--at", type=int, default=80, help="torch: snapshot after this step (default 80)")
-    dr.add_argument("--arms", default=",".join(DEFAULT_TORCH_ARMS), metavar="LIST",
-                    help="torch: comma-separated arms among " + ", ".join(TORCH_ARMS) +
-                         f" (default {','.join(DEFAULT_TORCH_ARMS)}; compile takes minutes of compiling)")
+    dr = sub.add_parser("drill", help="a real snapshot drill (runs snapguard-lab drill)", add_help=False,
+                        description="Hands over to `snapguard-lab drill` (the lab package, installed beside "
+                                    "snapguard by packaging/setup.sh); see `snapguard-lab drill --help`.")
     return p
 
 
@@ -97,10 +87,12 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         report = preflight.node_report(config)
     elif args.pid is not None:
         report = preflight.pid_report(args.pid, config, args.tcp_established)
-    elif args.container:
+    elif args.container is not None:
+        if not args.container:
+            raise SnapguardError(Reason.USAGE_ERROR, "--container needs a container id")
         report = preflight.container_report(args.container, args.root, config)
     else:
-        report = preflight.manifest_report(args.manifest, config)
+        report = preflight.manifest_report(os.path.abspath(args.manifest), config)
     print(report.to_json() if args.json else report.to_text())
     return report.exit_code
 
@@ -127,8 +119,9 @@ def _print_result(result: dict, as_json: bool) -> None:
         print(f"  warning {w['reason']}: {w['detail']}")
 
 
-def _guarded(args: argparse.Namespace, run) -> int:
-    from .reasons import SnapguardError
+def _snapshot(args: argparse.Namespace, work_dir: str, run) -> int:
+    """Run a checkpoint or restore; its record goes to stdout (--json) and into the work dir."""
+    from . import pipeline
 
     try:
         result = run()
@@ -136,61 +129,81 @@ def _guarded(args: argparse.Namespace, run) -> int:
         print(e.failure.message, file=sys.stderr)
         if args.json:
             print(json.dumps(e.failure.to_dict(), indent=2, sort_keys=True, default=str))
+        _write_record(pipeline, work_dir, e.failure.to_dict())
         return 1
+    _write_record(pipeline, work_dir, result)
     _print_result(result, args.json)
     return 0
 
 
+def _write_record(pipeline, work_dir: str, record: dict) -> None:
+    try:
+        pipeline.write_record(work_dir, record)
+    except OSError as e:
+        print(f"snapguard: cannot write the record into {work_dir}: {e.strerror}", file=sys.stderr)
+
+
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from .bare import checkpoint_pid
+    from . import pipeline
 
     config = load()
-    return _guarded(args, lambda: checkpoint_pid(args.pid, os.path.abspath(args.images), config,
-                                                 leave_running=args.leave_running,
-                                                 tcp_established=args.tcp_established, take_wait_s=args.take_wait))
+    req = pipeline.Request(os.path.abspath(args.images), leave_running=args.leave_running,
+                           tcp_established=args.tcp_established, network_lock=args.network_lock,
+                           timeouts=pipeline.Timeouts.from_config(config, args.take_wait))
+    runner = pipeline.CriuRunner(config.criu, args.pid)
+    return _snapshot(args, req.work_dir, lambda: pipeline.checkpoint(runner, req, config))
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
-    from .bare import restore_images
+    from . import pipeline
 
     config = load()
-    return _guarded(args, lambda: restore_images(os.path.abspath(args.images), config,
-                                                 tcp_established=args.tcp_established))
+    req = pipeline.Request(os.path.abspath(args.images), tcp_established=args.tcp_established,
+                           timeouts=pipeline.Timeouts.from_config(config))
+    return _snapshot(args, req.work_dir, lambda: pipeline.restore(pipeline.CriuRunner(config.criu), req, config))
 
 
-def _cmd_drill(args: argparse.Namespace) -> int:
-    if args.workload == "torch":
-        import tempfile
+def _cmd_drill(lab_args: list[str]) -> int:
+    """The drills live in the lab package, which the product never imports: hand over to its
+    command, installed beside this one (argv untouched, so its --help and errors are its own)."""
+    lab = os.path.join(os.path.dirname(sys.executable), "snapguard-lab")
+    if not os.path.exists(lab):
+        print(f"snapguard USAGE_ERROR: the drills need snapguard-lab, not installed at {lab} "
+              "(packaging/setup.sh installs it; or pip install ./lab)", file=sys.stderr)
+        return EXIT_USAGE
+    os.execv(lab, [lab, "drill", *lab_args])
 
-        from .torch_drill import run_torch_drill
 
-        if not 0 < args.at < args.steps:
-            print("snapguard USAGE_ERROR: --at must be between 0 and --steps", file=sys.stderr)
-            return EXIT_USAGE
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-        unknown = [a for a in arms if a not in TORCH_ARMS]
-        if unknown or not arms:
-            print(f"snapguard USAGE_ERROR: --arms: unknown {', '.join(unknown) or '(empty)'}; choose among "
-                  f"{', '.join(TORCH_ARMS)}", file=sys.stderr)
-            return EXIT_USAGE
-        return run_torch_drill(load(), args.workdir or tempfile.mkdtemp(prefix="snapguard-torch-"),
-                               steps=args.steps, at=args.at, json_path=args.json, arms=arms)
-    from .drill import run_drill
-
-    return run_drill(json_path=args.json, workdir=args.workdir)
+def _boundary_failure(e: BaseException) -> Failure:
+    """What escapes a command, typed: the one place where the CLI's errors become reasons."""
+    if isinstance(e, SnapguardError):
+        return e.failure
+    if isinstance(e, ConfigError):
+        return Failure(Reason[e.reason], str(e))
+    named = getattr(e, "reason", None)  # ConfigError, trust.UntrustedPathError: a Reason's name
+    if isinstance(named, str) and named in Reason.__members__:
+        return Failure(Reason[named], str(e))
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return Failure(Reason.INTERNAL_ERROR, f"{e.strerror or e}{where}", evidence={"errno": e.errno})
+    return Failure(Reason.INTERNAL_ERROR, f"{type(e).__name__}: {e}".splitlines()[0][:500])
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["drill"]:
+        return _cmd_drill(argv[1:])
     args = _parser().parse_args(argv)
+    commands = {"preflight": _cmd_preflight, "reasons": _cmd_reasons,
+                "checkpoint": _cmd_checkpoint, "restore": _cmd_restore}
     try:
-        commands = {"preflight": _cmd_preflight, "reasons": _cmd_reasons, "drill": _cmd_drill,
-                    "checkpoint": _cmd_checkpoint, "restore": _cmd_restore}
         return commands[args.command](args)
-    except ConfigError as e:
-        print(f"snapguard {e.reason}: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # the boundary: one typed line, never a traceback
+        failure = _boundary_failure(e)
+        print(failure.message, file=sys.stderr)
+        return EXIT_USAGE if failure.reason.phase.value == "usage" or isinstance(e, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -63,12 +63,27 @@ class Reason(enum.Enum):
                              "read the check's error; fix what it could not read")
     PROCESS_NOT_FOUND = _Meta("the process to check or snapshot does not exist", P, True,
                               "check the pid")
+    KERNEL_THREAD = _Meta("the pid is a kernel thread, which CRIU cannot snapshot", P, True,
+                          "name the pid of a user process (the root of the job's tree)")
+    ZOMBIE_PROCESS = _Meta("the process has exited and waits to be reaped", P, True,
+                           "name a running process; the job may have ended")
+    NOT_THREAD_GROUP_LEADER = _Meta("the pid is a thread of another process, not a process", P, True,
+                                    "name the process (its Tgid in /proc/PID/status), not one of its threads")
+    SNAPSHOT_IN_PROGRESS = _Meta("another snapguard run is snapshotting or restoring this tree or image", P, True,
+                                 "wait for it to finish; one snapshot of a tree at a time")
+    UNTRUSTED_PATH = _Meta("a path that decides what runs as root, or an image, is writable or owned by another user",
+                           P, True, "make it root-owned and writable by root alone (chown root; chmod go-w), "
+                           "every parent included")
+    INTERNAL_ERROR = _Meta("snapguard met an error it has no better reason for", P, True,
+                           "report it with the detail; the workload was left as the record says")
 
     # host tooling
     CRIU_MISSING = _Meta("CRIU is not installed at the pinned path", P, True,
                          "install CRIU 4.x (packaging/install-deps.sh) or fix `criu` in the config")
     CRIU_TOO_OLD = _Meta("CRIU is older than the oldest version snapguard supports", P, True,
                          "install CRIU 4.0 or newer")
+    CRIU_BROKEN = _Meta("the pinned CRIU does not run (missing libraries, wrong architecture)", P, True,
+                        "read the loader's message; reinstall CRIU with its libraries")
     CRIU_CHECK_FAILED = _Meta("`criu check` fails on this kernel", P, True,
                               "read the quoted `criu check` output; a kernel or CRIU upgrade is needed")
     CUDA_PLUGIN_UNAVAILABLE = _Meta("CRIU's CUDA plugin or a working cuda-checkpoint is missing", P, True,
@@ -151,6 +166,10 @@ class Reason(enum.Enum):
                              "read the quoted CRIU errors; fall back to a file checkpoint")
     CRIU_RESTORE_FAILED = _Meta("CRIU failed to restore the workload", R, True,
                                 "read the quoted CRIU errors; fall back to a file checkpoint")
+    CRIU_TIMEOUT = _Meta("CRIU did not finish within snapguard's deadline and was killed", C, True,
+                         "raise criu_timeout_s or find what CRIU waited on in its log; the workload was brought back")
+    RUNC_TIMEOUT = _Meta("runc did not finish within snapguard's deadline and was killed", C, True,
+                         "raise criu_timeout_s or look for a stuck runc; the workload was brought back")
     IMAGE_WRITE_FAILED = _Meta("the manifest or checksums could not be written into the image", C, True,
                                "check space and permissions of the image path")
 

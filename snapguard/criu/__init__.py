@@ -15,16 +15,22 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from ..config import Config, resolve_cuda_checkpoint
-from ..files import ensure_private_dir, write_private_bytes, write_private_json
+from ..files import ensure_private_dir, write_private_json
+from ..names import DUMP_LOG, RESTORE_LOG
+from ..trust import UntrustedPathError
+from ._options import CriuOptions, RunDir
 
 __all__ = [
+    "CriuBroken",
     "CriuLogError",
+    "CriuOptions",
+    "DUMP_LOG",
+    "RESTORE_LOG",
+    "RunDir",
     "MIN_VERSION",
     "check",
     "extract_errors",
     "log_marks",
-    "prepare_environment",
     "version",
 ]
 
@@ -49,12 +55,24 @@ class CriuLogError:
         return f"Error ({self.where}): {self.message}"
 
 
+class CriuBroken(Exception):
+    """The pinned CRIU does not run; the message is the loader's or CRIU's own first line."""
+
+
 def version(criu: str) -> tuple[int, int, int]:
-    """CRIU's version as a tuple; raises OSError or ValueError when it cannot be read."""
-    out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    """CRIU's version as a tuple; raises CriuBroken with what went wrong when it cannot be read."""
+    try:
+        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10, check=False,
+                             stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise CriuBroken(f"`{criu} --version` did not answer in 10 s") from None
+    except OSError as e:
+        raise CriuBroken(f"`{criu} --version` did not start: {e.strerror}") from None
     m = _VERSION.search(out.stdout)
     if out.returncode != 0 or not m:
-        raise ValueError(f"`{criu} --version` printed no version (exit {out.returncode})")
+        said = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        raise CriuBroken(f"`{criu} --version` exited {out.returncode}: "
+                         f"{said[0][:300] if said else 'it printed no version'}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
@@ -94,8 +112,8 @@ def _update_cache(state_dir: str | None, criu: str, **facts: object) -> None:
     try:
         ensure_private_dir(os.path.dirname(cache))
         write_private_json(cache, data)
-    except OSError:
-        pass  # a cache we cannot write only costs time
+    except (OSError, UntrustedPathError):
+        pass  # a cache we cannot write only costs time (the state dir's trust is checked at load)
 
 
 def cached_version(criu: str, state_dir: str | None) -> tuple[int, int, int]:
@@ -116,7 +134,11 @@ def check(criu: str, state_dir: str | None = None) -> tuple[bool, str]:
     """
     if _read_cache(state_dir, criu).get("check_passed") is True:
         return True, "criu check passed (cached for this boot)"
-    out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60, check=False)
+    try:
+        out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60, check=False,
+                             stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired:
+        return False, "`criu check` did not finish in 60 s"
     text = (out.stdout + out.stderr).strip()
     passed = out.returncode == 0
     if passed:
@@ -145,6 +167,7 @@ def read_log_errors(path: str, limit: int = 3) -> list[CriuLogError]:
             return extract_errors(f.read())[:limit]
     except OSError:
         return []
+
 
 
 # Where the time of a dump or restore goes: the first line of each, seconds into CRIU's log.
@@ -184,60 +207,3 @@ def log_marks(path: str) -> dict[str, float]:
     return found
 
 
-def prepare_environment(config: Config, criu: str, device_map: list[tuple[str, str]] | None = None) -> dict[str, str]:
-    """The environment runc (and through it CRIU and its CUDA plugin) runs in.
-
-    Builds `<state_dir>/bin`, root-only, holding links to the pinned criu and cuda-checkpoint,
-    and a CRIU config with snapguard's timeout.
-    """
-    cuda_checkpoint = resolve_cuda_checkpoint(config)
-    bin_dir = os.path.join(config.state_dir, "bin")
-    ensure_private_dir(config.state_dir)
-    ensure_private_dir(bin_dir)
-    for name, target in (("criu", criu), ("cuda-checkpoint", cuda_checkpoint)):
-        link = os.path.join(bin_dir, name)
-        if os.path.lexists(link):
-            os.unlink(link)
-        if target:
-            os.symlink(target, link)
-    criu_conf = os.path.join(config.state_dir, "criu.conf")
-    write_private_bytes(criu_conf, f"timeout {config.criu_timeout_s}\n".encode())
-    # The caller's environment (containerd's) otherwise stays: LD_LIBRARY_PATH is how a CRIU
-    # carried with its own libraries runs. A preload would run inside every dumped process's CRIU.
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_AUDIT")}
-    env.update({
-        "PATH": f"{bin_dir}:{SYSTEM_PATH}",
-        "CRIU_LIBS_DIR": config.criu_libdir,
-        "CRIU_CONFIG_FILE": criu_conf,
-    })
-    env.pop("SNAPGUARD_DEVICE_MAP", None)
-    if device_map:
-        # CRIU's plugin runs `cuda-checkpoint --action restore` with no map; snapguard's reads this
-        env["SNAPGUARD_DEVICE_MAP"] = ",".join(f"{old}={new}" for old, new in device_map)
-    return env
-
-
-def dump_argv(criu: str, pid: int, images: str, work: str, *, leave_running: bool, tcp_established: bool,
-              libdir: str, network_lock: str | None = None) -> list[str]:
-    """`criu dump` of a bare process tree (snapguard checkpoint --pid)."""
-    argv = [criu, "dump", "--tree", str(pid), "--images-dir", images, "--work-dir", work, "--log-file", "dump.log",
-            "-v4", "--shell-job", "--libdir", libdir]
-    if leave_running:
-        argv.append("--leave-running")
-    if tcp_established:
-        argv.append("--tcp-established")
-    if network_lock:
-        argv += ["--network-lock", network_lock]
-    return argv
-
-
-def restore_argv(criu: str, images: str, work: str, pidfile: str, *, tcp_established: bool,
-                 libdir: str, network_lock: str | None = None) -> list[str]:
-    """`criu restore` of a bare process tree, detached (snapguard restore --images)."""
-    argv = [criu, "restore", "--images-dir", images, "--work-dir", work, "--log-file", "restore.log", "-v4",
-            "--shell-job", "--restore-detached", "--pidfile", pidfile, "--libdir", libdir]
-    if tcp_established:
-        argv.append("--tcp-established")
-    if network_lock:
-        argv += ["--network-lock", network_lock]
-    return argv

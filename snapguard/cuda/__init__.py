@@ -6,7 +6,7 @@ failed snapshot), `libcuda_checkpoint_symbols` (read from the ELF without loadin
 
 from ._driver import CHECKPOINT_SYMBOLS, CudaError, Driver, load, uuid_bytes
 from ._recover import recover
-from ._symbols import libcuda_checkpoint_symbols
+from ._symbols import find_libcuda, libcuda_checkpoint_symbols
 
-__all__ = ["CHECKPOINT_SYMBOLS", "CudaError", "Driver", "libcuda_checkpoint_symbols", "load", "recover",
+__all__ = ["CHECKPOINT_SYMBOLS", "CudaError", "Driver", "find_libcuda", "libcuda_checkpoint_symbols", "load", "recover",
            "uuid_bytes"]

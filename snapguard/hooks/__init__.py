@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["site_dir", "socket_path"]
+__all__ = ["site_dir", "socket_path", "start_in_workload"]
 
 
 def site_dir() -> str:
@@ -19,3 +19,11 @@ def site_dir() -> str:
 
 def socket_path(take_dir: str, pid: int) -> str:
     return os.path.join(take_dir, f"{pid}.sock")
+
+
+def start_in_workload(take_dir: str) -> None:
+    """The workload side: called by the injected sitecustomize inside the trainer (imported here
+    lazily: the executor side never loads it)."""
+    from ._workload import start
+
+    start(take_dir)

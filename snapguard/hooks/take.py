@@ -17,24 +17,15 @@ import threading
 import time
 from typing import Any
 
+from .. import procfs
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
 __all__ = ["hold", "release_all", "socket_for", "trainers"]
 
-PROC = "/proc"
 
-
-def _nspid(pid: int, proc: str) -> int:
-    """The pid as the process itself sees it (innermost pid namespace)."""
-    with open(f"{proc}/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return pid
-
-
-def socket_for(pid: int, proc: str = PROC) -> str | None:
+def socket_for(pid: int, proc: str | None = None) -> str | None:
     """The host path of pid's take-point socket, or None when it runs no hook."""
+    proc = proc or procfs.procfs_path()
     try:
         with open(f"{proc}/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
@@ -46,7 +37,7 @@ def socket_for(pid: int, proc: str = PROC) -> str | None:
             path = f"{path}/{part}"
             if not stat.S_ISDIR(os.lstat(path).st_mode):
                 return None
-        path = f"{path}/{_nspid(pid, proc)}.sock"
+        path = f"{path}/{procfs.nspid(pid, proc)}.sock"
         return path if stat.S_ISSOCK(os.lstat(path).st_mode) else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
@@ -76,7 +67,7 @@ def _exchange(s: socket.socket, line: str) -> dict[str, Any]:
     return json.loads(reply)
 
 
-def trainers(pids: list[int], proc: str = PROC) -> dict[int, dict[str, Any]]:
+def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, Any]]:
     """{pid: status} of the pids whose hook has its step hook registered (they train); a launcher
     that runs the hook but no optimizer is not one to wait for."""
     found = {}

@@ -1,29 +1,37 @@
 """Preflight: every snapshot blocker seen before the workload is touched.
 
-Public API: `node_report`, `pid_report`, `container_report`, `manifest_report`; each returns a
-Report whose `exit_code` is 0 (ready), 1 (blocked) or 2 (could not check).
+Public API: `node_report`, `pid_report`, `container_report`, `manifest_report`, each returning a
+`Report` whose `exit_code` is 0 (ready), 1 (blocked) or 2 (could not check); and the building
+blocks the snapshot pipeline runs itself, `host_checks` and `workload_checks`.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from .. import image
+from .. import image, procfs, runc
 from ..config import Config
-from .._host import host_facts, mem_available_bytes
-from ..reasons import Finding, SnapguardError
-from . import gpu, host, workload
-from ._report import EXIT_BLOCKED, EXIT_READY, EXIT_UNCHECKED, CheckResult, Report
+from ..reasons import Finding, Reason, SnapguardError
+from . import gpu, host
+from ._report import EXIT_BLOCKED as EXIT_BLOCKED
+from ._report import EXIT_READY as EXIT_READY
+from ._report import EXIT_UNCHECKED as EXIT_UNCHECKED
+from ._report import CheckResult as CheckResult
+from ._report import Report as Report
+from .workload import run_checks as workload_checks
 
-__all__ = ["EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "Report", "container_report", "manifest_report",
-           "host_checks", "node_report", "pid_report"]
+__all__ = ["EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult", "Report", "container_report",
+           "host_checks", "manifest_report", "node_report", "pid_report", "workload_checks"]
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
                 network_lock: bool = True) -> None:
     """The checks every snapshot and restore needs from the host; `criu` overrides the pinned one.
-    `network_lock`: the tree has a network namespace of its own, which CRIU locks with iptables."""
-    report.facts["host"] = host_facts()
+    `network_lock`: CRIU will lock the network with iptables (a namespace of the tree's own, or
+    connections to the outside). Leaves the GPU inventory in `report.facts["gpu"]` (NVML is read
+    once per run; the process model takes the CUDA pids from it)."""
+    report.facts["host"] = procfs.host_facts()
     report.run("privileges", host.check_privileges)
     report.run("criu", lambda: host.check_criu(criu or config.criu, config.state_dir, report.facts))
     if network_lock:
@@ -36,7 +44,7 @@ def _driver_checks(report: Report) -> list[Finding]:
     report.facts["gpu"] = facts = gpu.gpu_facts()
     if facts is None:
         return []  # no NVIDIA driver: nothing to check, and nothing of the driver API to load
-    from ..cuda._symbols import find_libcuda
+    from ..cuda import find_libcuda
 
     return gpu.check_driver(facts, find_libcuda())
 
@@ -48,36 +56,41 @@ def node_report(config: Config) -> Report:
     return report
 
 
-def pid_report(pid: int, config: Config, tcp_established: bool = False) -> Report:
-    report = Report(f"--pid {pid}")
-    try:
-        inv = workload.inventory(workload.process_tree(pid))
-    except SnapguardError as e:
-        report.checks.append(CheckResult("process-tree", error=e.failure.detail))
-        return report
-    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=workload.own_netns(pid))
+def _tree_report(report: Report, pid: int, config: Config, tcp_established: bool) -> Report:
     from ..hooks import take
 
-    workload.run_checks(report, inv, tcp_established, trainers=take.trainers([p.pid for p in inv.procs]))
+    try:
+        tree = procfs.process_tree(pid)
+    except SnapguardError as e:
+        report.checks.append(_unchecked_or_blocked("process-tree", e))
+        return report
+    inv = procfs.inventory(tree)
+    host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=procfs.own_netns(pid))
+    inv.attach_gpu(report.facts.get("gpu"))
+    workload_checks(report, inv, tcp_established, trainers=take.trainers(tree))
     return report
+
+
+def _unchecked_or_blocked(name: str, e: SnapguardError) -> CheckResult:
+    """A target that is not there could not be checked (exit 2); one CRIU cannot take (a kernel
+    thread, a zombie, a thread id) is a typed blocker (exit 1)."""
+    if e.reason in (Reason.PROCESS_NOT_FOUND, Reason.CONTAINER_NOT_FOUND):
+        return CheckResult(name, error=e.failure.detail)
+    return CheckResult(name, findings=[Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)])
+
+
+def pid_report(pid: int, config: Config, tcp_established: bool = False) -> Report:
+    return _tree_report(Report(f"--pid {pid}"), pid, config, tcp_established)
 
 
 def container_report(container_id: str, runc_root: str | None, config: Config) -> Report:
-    from ..shim._argv import GlobalOptions
-    from ..shim._runc import runc_state
-
-    opts = GlobalOptions()
-    if runc_root:
-        opts.values["root"] = runc_root
+    report = Report(f"--container {container_id}")
     try:
-        state = runc_state(config.runc, opts, container_id)
+        state = runc.state(config.runc, runc_root, container_id)
     except SnapguardError as e:
-        report = Report(f"--container {container_id}")
-        report.checks.append(CheckResult("runc-state", error=e.failure.detail))
+        report.checks.append(_unchecked_or_blocked("runc-state", e))
         return report
-    report = pid_report(int(state["pid"]), config)
-    report.target = f"--container {container_id}"
-    return report
+    return _tree_report(report, state["pid"], config, False)
 
 
 def manifest_report(path: str, config: Config, criu: str | None = None) -> Report:
@@ -96,13 +109,20 @@ def manifest_report(path: str, config: Config, criu: str | None = None) -> Repor
         return report
     report.checks.append(CheckResult("image"))
     report.facts["manifest"] = manifest
-    uses_gpu = any(p.get("gpu") for p in manifest.get("processes", []) if isinstance(p, dict))
-    # a tree dumped in the host's network namespace needs a lock only for its TCP connections
-    needs_lock = manifest.get("own_netns") is not False or (
-        bool(manifest.get("tcp_connections")) and manifest.get("network_lock") != "skip")
-    host_checks(report, config, gpu_required=uses_gpu, criu=criu, network_lock=needs_lock)
+    host_checks(report, config, gpu_required=image_uses_gpu(manifest), criu=criu,
+                network_lock=image_needs_network_lock(manifest))
     report.run("image-vs-host", lambda: image.compare_with_host(
-        manifest, {**report.facts["host"], "mem_available": mem_available_bytes()},
+        manifest, {**report.facts["host"], "mem_available": procfs.mem_available_bytes()},
         str(report.facts.get("criu_version", "unknown"))))
     report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.get("gpu"), report.facts.get("gpu")))
     return report
+
+
+def image_uses_gpu(manifest: dict[str, Any]) -> bool:
+    return any(p.get("gpu") for p in manifest.get("processes") or [] if isinstance(p, dict))
+
+
+def image_needs_network_lock(manifest: dict[str, Any]) -> bool:
+    """A tree dumped in the host's network namespace needs a lock only for its TCP connections."""
+    return manifest.get("own_netns") is not False or (
+        bool(manifest.get("tcp_connections")) and manifest.get("network_lock") != "skip")

@@ -39,9 +39,16 @@ class Report:
         try:
             findings = check()
             self.checks.append(CheckResult(name, findings))
-        except (OSError, ValueError) as e:
+        except SnapguardError as e:
+            findings = [Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)]
+            self.checks.append(CheckResult(name, findings))
+        except OSError as e:
             findings = []
-            self.checks.append(CheckResult(name, error=f"{type(e).__name__}: {e}"))
+            where = f" ({e.filename})" if e.filename else ""
+            self.checks.append(CheckResult(name, error=f"{e.strerror or e}{where}"))
+        except ValueError as e:
+            findings = []
+            self.checks.append(CheckResult(name, error=str(e)))
         return findings
 
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import _host
 from ..reasons import Finding, Reason, Severity
 
 __all__ = ["gpu_facts", "check_driver", "check_gpu_handles", "compare_gpu", "device_map"]
@@ -87,7 +86,7 @@ def check_driver(facts: dict[str, Any] | None, libcuda: str | None) -> list[Find
     return findings
 
 
-def check_gpu_handles(facts: dict[str, Any] | None, proc: str = _host.PROC) -> list[Finding]:
+def check_gpu_handles(facts: dict[str, Any] | None, proc: str | None = None) -> list[Finding]:
     """Node: processes that hold /dev/nvidia* with no CUDA context (NVML users, monitors,
     forked workers): harmless until they are in a snapshotted tree, where they block it."""
     if facts is None:

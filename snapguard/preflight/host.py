@@ -34,7 +34,10 @@ def check_criu(path: str, state_dir: str | None, facts: dict[str, object]) -> li
     problem = check_pinned_binary(path, "criu")
     if problem:
         return [Finding(Reason.CRIU_MISSING, problem, evidence={"path": path})]
-    ver = criu.cached_version(path, state_dir)
+    try:
+        ver = criu.cached_version(path, state_dir)
+    except criu.CriuBroken as e:
+        return [Finding(Reason.CRIU_BROKEN, str(e), evidence={"path": path})]
     facts["criu_version"] = ".".join(map(str, ver))
     if ver < criu.MIN_VERSION:
         return [Finding(Reason.CRIU_TOO_OLD,

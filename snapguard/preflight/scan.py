@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Literal
 
-from .._host import PROC
+from .. import procfs
 
 __all__ = ["Match", "NVIDIA_MAJOR", "all_pids", "have_c_helper", "scan", "scan_c", "scan_python"]
 
@@ -47,8 +47,8 @@ def have_c_helper() -> bool:
     return _procscan is not None
 
 
-def all_pids(proc: str = PROC) -> list[int]:
-    return [int(name) for name in os.listdir(proc) if name.isdigit()]
+def all_pids(proc: str | None = None) -> list[int]:
+    return [int(name) for name in os.listdir(proc or procfs.procfs_path()) if name.isdigit()]
 
 
 def _parse(text: str) -> list[Match]:
@@ -60,12 +60,13 @@ def _parse(text: str) -> list[Match]:
     return out
 
 
-def scan_c(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] = (), proc: str = PROC,
+def scan_c(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] = (), proc: str | None = None,
            threads: int | None = None) -> list[Match]:
     """The C helper; `threads` defaults to one per CPU this process may run on, at most 16."""
     if _procscan is None:
         raise RuntimeError("the C helper snapguard._procscan was not built")
     ffi, lib = _procscan.ffi, _procscan.lib
+    proc = proc or procfs.procfs_path()
     if threads is None:
         threads = min(16, len(os.sched_getaffinity(0)))
     c_pids = ffi.new("int[]", pids)
@@ -130,7 +131,8 @@ def _scan_fds(pid: int, prefixes: tuple[str, ...], majors: tuple[int, ...], proc
 
 
 def scan_python(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, ...] = (),
-                proc: str = PROC) -> list[Match]:
+                proc: str | None = None) -> list[Match]:
+    proc = proc or procfs.procfs_path()
     out: list[Match] = []
     for pid in pids:
         out += _scan_maps(pid, prefixes, majors, proc)
@@ -139,7 +141,7 @@ def scan_python(pids: list[int], prefixes: tuple[str, ...], majors: tuple[int, .
 
 
 def scan(pids: list[int] | None = None, prefixes: tuple[str, ...] = GPU_AND_RDMA_PREFIXES,
-         majors: tuple[int, ...] = (NVIDIA_MAJOR,), proc: str = PROC,
+         majors: tuple[int, ...] = (NVIDIA_MAJOR,), proc: str | None = None,
          impl: Literal["auto", "c", "python"] = "auto") -> list[Match]:
     """Every mapping and fd in `pids` (default: every process) whose path starts with one of
     `prefixes` or that is a device node with one of `majors`."""

@@ -13,7 +13,6 @@ import os
 import sys
 
 from ..reasons import Failure
-from ..files import write_private_json
 
 __all__ = ["report_failure", "write_log_line"]
 
@@ -46,9 +45,10 @@ def report_failure(failure: Failure, log_path: str | None, log_format: str, work
     if log_path:
         print(failure.message, file=sys.stderr)
     if work_path:
+        from ..pipeline import write_record
+
         try:
-            os.makedirs(work_path, mode=0o700, exist_ok=True)
-            write_private_json(os.path.join(work_path, "snapguard-result.json"), failure.to_dict())
-        except OSError as e:
-            print(f"snapguard: cannot write result to {work_path}: {e.strerror}", file=sys.stderr)
+            write_record(work_path, failure.to_dict(), create=True)
+        except (OSError, ValueError) as e:
+            print(f"snapguard: cannot write result to {work_path}: {e}", file=sys.stderr)
     return 1

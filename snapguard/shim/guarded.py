@@ -1,13 +1,16 @@
-"""The guarded verbs' common frame: config, argv, and turning every failure into a typed report."""
+"""The guarded verbs' boundary: config, argv, and every failure turned into one typed report.
+
+This is where snapguard-runc's errors become reasons (psutil's `wrap_exceptions` is the model):
+below it, code raises SnapguardError; what else escapes is typed here, never a traceback.
+"""
 
 from __future__ import annotations
 
-import os
 import sys
+from typing import Any
 
-from ..config import ConfigError, load
-from ..config import check_pinned_binary
-from ..files import write_private_json
+from .. import pipeline
+from ..config import ConfigError, check_pinned_binary, load
 from ..reasons import Failure, Reason, SnapguardError
 from ._argv import ArgvError, GlobalOptions, parse_subcommand
 from ._runclog import report_failure
@@ -15,9 +18,25 @@ from ._runclog import report_failure
 __all__ = ["run_guarded"]
 
 
+def _failure(e: BaseException) -> Failure:
+    if isinstance(e, SnapguardError):
+        return e.failure
+    if isinstance(e, ArgvError):
+        return Failure(Reason.USAGE_ERROR, str(e))
+    if isinstance(e, ConfigError):
+        return Failure(Reason[e.reason], str(e))
+    named = getattr(e, "reason", None)  # ConfigError, trust.UntrustedPathError: a Reason's name
+    if isinstance(named, str) and named in Reason.__members__:
+        return Failure(Reason[named], str(e))
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return Failure(Reason.INTERNAL_ERROR, f"{e.strerror or e}{where}", evidence={"errno": e.errno})
+    return Failure(Reason.INTERNAL_ERROR, f"{type(e).__name__}: {e}".splitlines()[0][:500])
+
+
 def run_guarded(args: list[str], opts: GlobalOptions) -> int:
     assert opts.subcommand in ("checkpoint", "restore")
-    work_path = None
+    work_path: str | None = None
     try:
         sub = parse_subcommand(opts.subcommand, args[opts.subcommand_index + 1:])
         work_path = sub.work_path
@@ -29,19 +48,13 @@ def run_guarded(args: list[str], opts: GlobalOptions) -> int:
             from .checkpoint import checkpoint as verb
         else:
             from .restore import restore as verb
-        result = verb(config.runc, args, opts, sub, config)
-    except SnapguardError as e:
-        return report_failure(e.failure, opts.log, opts.log_format, work_path)
-    except ArgvError as e:
-        return report_failure(Failure(Reason.USAGE_ERROR, str(e)), opts.log, opts.log_format, None)
-    except ConfigError as e:
-        return report_failure(Failure(Reason[e.reason], str(e)), opts.log, opts.log_format, work_path)
-    except OSError as e:
-        # Anything the checks did not foresee (a full disk, a vanished directory) is still typed.
-        failure = Failure(Reason.PREFLIGHT_FAILED, f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
-        return report_failure(failure, opts.log, opts.log_format, work_path)
+        result: dict[str, Any] = verb(config, args, opts, sub)
+    except KeyboardInterrupt:
+        return report_failure(Failure(Reason.INTERNAL_ERROR, "interrupted"), opts.log, opts.log_format, work_path)
+    except Exception as e:  # the boundary: every failure is one typed line, never a traceback
+        return report_failure(_failure(e), opts.log, opts.log_format, work_path)
     try:
-        write_private_json(os.path.join(sub.work_path, "snapguard-result.json"), result)
+        pipeline.write_record(sub.work_path, result, create=True)
     except OSError as e:
         print(f"snapguard: cannot write result to {sub.work_path}: {e.strerror}", file=sys.stderr)
     return 0

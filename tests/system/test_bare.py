@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from snapguard import image
-from snapguard.testbed import MODULUS, expected_hash
+from snapguard_lab.testbed import MODULUS, expected_hash
 
 COUNTER = """
 import sys, time

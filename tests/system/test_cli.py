@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from snapguard import image
-from snapguard._host import host_facts
-
-from ..planted import IO_URING, planted
+from snapguard.procfs import host_facts
+from snapguard_lab.planted import IO_URING, planted
 
 
 def snapguard(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

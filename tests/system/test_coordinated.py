@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from snapguard.config import load
-from snapguard.bare import checkpoint_pid, restore_images
+from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import Reason, SnapguardError
-from snapguard.testbed import DdpJob
+from snapguard_lab.testbed import DdpJob
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 

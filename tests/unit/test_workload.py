@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from snapguard import procfs
 from snapguard.preflight import workload
-from snapguard.preflight._report import Report
-from snapguard.reasons import Reason, Severity
-
-from ..planted import DELETED_SHM, IDLE, IO_URING, TCP_PAIR, WRITABLE, planted
+from snapguard.preflight import Report
+from snapguard.reasons import Reason, Severity, SnapguardError
+from snapguard_lab.planted import DELETED_SHM, IDLE, IO_URING, TCP_PAIR, WRITABLE, planted
 
 
 def _findings(pid: int, **kw: object) -> dict[Reason, list]:
     report = Report("test")
-    workload.run_checks(report, workload.inventory([pid], use_nvml=False), **kw)
+    workload.run_checks(report, procfs.inventory([pid]), **kw)
     assert all(c.error is None for c in report.checks), [c.error for c in report.checks]
     out: dict[Reason, list] = {}
     for f in report.findings:
@@ -68,17 +68,17 @@ def test_ld_preload_interposer() -> None:
 
 def test_process_tree_and_vanished_root() -> None:
     with planted("import subprocess\nkid = subprocess.Popen(['/bin/sleep', '100'])\n") as pid:
-        tree = workload.process_tree(pid)
+        tree = procfs.process_tree(pid)
         assert tree[0] == pid and len(tree) == 2
-    with pytest.raises(workload.SnapguardError) as e:
-        workload.process_tree(pid)
+    with pytest.raises(SnapguardError) as e:
+        procfs.process_tree(pid)
     assert e.value.reason is Reason.PROCESS_NOT_FOUND
 
 
 def test_inventory_skips_processes_that_exit() -> None:
     with planted(IDLE) as pid:
         pass
-    assert workload.inventory([pid, os.getpid()], use_nvml=False).procs[0].pid == os.getpid()
+    assert procfs.inventory([pid, os.getpid()]).procs[0].pid == os.getpid()
 
 
 # --- procfs fixtures: the NVIDIA shapes this machine cannot produce ---------------------------
@@ -95,7 +95,8 @@ def _fake_proc(root: Path, pid: int, comm: str, maps: list[str], fds: list[str],
     (d / "fdinfo").mkdir()
     (d / "task" / str(pid)).mkdir(parents=True)
     (d / "task" / str(pid) / "children").write_text(" ".join(map(str, children)))
-    (d / "status").write_text(f"Name:\t{comm}\nPPid:\t1\nVmRSS:\t  1024 kB\nSeccomp:\t0\n")
+    (d / "status").write_text(f"Name:\t{comm}\nTgid:\t{pid}\nPPid:\t1\nVmRSS:\t  1024 kB\nSeccomp:\t0\n")
+    (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0\n")
     (d / "environ").write_text("\0".join(f"{k}={v}" for k, v in (env or {}).items()))
     (d / "maps").write_text("".join(
         f"7f00{i:08x}000-7f00{i:08x}fff rw-s 00000000 00:05 {100 + i}                     {p}\n"
@@ -118,7 +119,7 @@ def gpu_proc(tmp_path: Path) -> Path:
 
 
 def _fixture_findings(root: Path, pids: list[int], cuda_pids: set[int] | None = None) -> dict[Reason, list]:
-    inv = workload.inventory(pids, proc=str(root), use_nvml=False)
+    inv = procfs.inventory(pids, proc=str(root))
     inv.cuda_pids_from_driver = cuda_pids
     report = Report("fixture")
     workload.run_checks(report, inv, proc=str(root))
@@ -129,7 +130,7 @@ def _fixture_findings(root: Path, pids: list[int], cuda_pids: set[int] | None = 
 
 
 def test_stray_handles_from_procfs_evidence(gpu_proc: Path) -> None:
-    tree = workload.process_tree(100, proc=str(gpu_proc))
+    tree = procfs.process_tree(100, proc=str(gpu_proc))
     assert tree == [100, 101, 102]
     found = _fixture_findings(gpu_proc, tree)
     stray = {f.evidence["pid"]: f for f in found[Reason.STRAY_GPU_DEVICE_HANDLE]}
@@ -170,7 +171,7 @@ def test_interposer_in_cuda_process_blocks(tmp_path: Path) -> None:
 
 def test_gpu_memory_against_host_memory(gpu_proc: Path) -> None:
     (gpu_proc / "meminfo").write_text("MemTotal: 1000 kB\nMemAvailable:     1024 kB\n")
-    inv = workload.inventory([100], proc=str(gpu_proc), use_nvml=False)
+    inv = procfs.inventory([100], proc=str(gpu_proc))
     inv.cuda_pids_from_driver, inv.gpu_memory_by_pid = {100}, {100: 8 << 30}
     found = workload.check_host_memory(inv, proc=str(gpu_proc))
     assert found[0].reason is Reason.HOST_MEMORY_INSUFFICIENT and found[0].evidence["needed"] == 8 << 30
@@ -180,20 +181,20 @@ def test_maps_parsing_keeps_spaces_and_deleted_marker() -> None:
     text = ("55d0-55d1 r--p 00000000 08:01 1 /usr/bin/python3\n"
             "7f00-7f01 rw-s 00000000 00:01 5 /dev/shm/a b (deleted)\n"
             "7f02-7f03 rw-p 00000000 00:00 0 \n")
-    assert workload.parse_maps(text) == {"/usr/bin/python3", "/dev/shm/a b (deleted)"}
+    assert procfs.parse_maps(text) == {"/usr/bin/python3", "/dev/shm/a b (deleted)"}
 
 
 def test_tcp_between_processes_of_the_tree_needs_no_lock() -> None:
     a = {"table": "tcp", "local": "0100007F:9C40", "remote": "0100007F:D431"}
     b = {"table": "tcp", "local": "0100007F:D431", "remote": "0100007F:9C40"}
     outside = {"table": "tcp", "local": "0100007F:D432", "remote": "0A000001:01BB"}
-    assert workload.internal_only([a, b])
-    assert not workload.internal_only([a, b, outside])
-    assert not workload.internal_only([])
+    assert procfs.internal_only([a, b])
+    assert not procfs.internal_only([a, b, outside])
+    assert not procfs.internal_only([])
 
 
 def test_nccl_group_reported_by_the_take_point(gpu_proc: Path) -> None:
-    inv = workload.inventory([100], proc=str(gpu_proc), use_nvml=False)
+    inv = procfs.inventory([100], proc=str(gpu_proc))
     assert workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": False}}) == []
     (f,) = workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": True}})
     assert f.reason is Reason.NCCL_UNSUPPORTED and "cannot checkpoint" in f.detail

@@ -10,9 +10,9 @@ import sys
 
 def _start_take_point() -> None:
     try:
-        from snapguard.hooks import _workload
+        from snapguard.hooks import start_in_workload
 
-        _workload.start(os.environ["SNAPGUARD_TAKE_DIR"])
+        start_in_workload(os.environ["SNAPGUARD_TAKE_DIR"])
     except Exception as e:  # the trainer must start even when the hook cannot
         print(f"snapguard take point disabled: {e}", file=sys.stderr)
 

@@ -1,0 +1,74 @@
+"""Every child snapguard starts runs under a deadline snapguard enforces.
+
+A child (runc, CRIU, cuda-checkpoint) starts in a process group of its own; when its deadline
+passes the whole group is killed (runc's CRIU and CRIU's helpers with it) and the caller gets a
+typed reason, so the executor, and containerd's task with it, never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+
+from .reasons import Reason, SnapguardError
+
+__all__ = ["ChildTimeout", "run", "run_captured"]
+
+
+class ChildTimeout(SnapguardError):
+    """The child outlived its deadline and its process group was killed."""
+
+
+def _kill_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass  # unkillable (D state): the deadline still ends our wait
+
+
+def _start_error(argv: list[str], what: str, e: OSError, reason: Reason) -> SnapguardError:
+    return SnapguardError(reason, f"{what}: {argv[0]} did not start: {e.strerror or e}",
+                          evidence={"argv0": argv[0], "errno": e.errno})
+
+
+def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Mapping[str, str] | None = None,
+        inherit_fds: bool = False, start_reason: Reason | None = None) -> int:
+    """Run argv (stdio inherited) to completion within timeout_s; its exit status.
+    `inherit_fds`: containerd hands runc the container's stdio and sockets by fd inheritance."""
+    try:
+        proc = subprocess.Popen(argv, env=env, close_fds=not inherit_fds, process_group=0,
+                                stdin=None if inherit_fds else subprocess.DEVNULL)
+    except OSError as e:
+        raise _start_error(argv, what, e, start_reason or reason) from None
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ChildTimeout(reason, f"{what} did not finish within {timeout_s:g} s and was killed",
+                           evidence={"argv0": argv[0], "timeout_s": timeout_s}) from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason,
+                 env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run argv with its output captured (text, undecodable bytes replaced) within timeout_s."""
+    try:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace", process_group=0)
+    except OSError as e:
+        raise _start_error(argv, what, e, reason) from None
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ChildTimeout(reason, f"{what} did not finish within {timeout_s:g} s and was killed",
+                           evidence={"argv0": argv[0], "timeout_s": timeout_s}) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -1,0 +1,63 @@
+"""The snapshot pipeline: one checkpoint and one restore sequence for every entry point.
+
+Entry points map their flags onto a `Request` and pick a runner: `RuncRunner` when the real runc
+runs CRIU for a container (snapguard-runc), `CriuRunner` when snapguard runs CRIU on a bare
+process tree (`snapguard checkpoint/restore`). `checkpoint_pid` and `restore_images` are the bare
+path in one call, for programs (the lab's drills) that snapshot processes they started.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import Config
+from ..files import write_private_json
+from ..names import RESULT_NAME
+from ._request import NETWORK_LOCKS as NETWORK_LOCKS
+from ._request import Request as Request
+from ._request import Timeouts as Timeouts
+from ._runners import CriuRunner as CriuRunner
+from ._runners import Runner as Runner
+from ._runners import RuncRunner as RuncRunner
+from ._sequence import checkpoint as checkpoint
+from ._sequence import restore as restore
+
+__all__ = ["NETWORK_LOCKS", "CriuRunner", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
+           "checkpoint_pid", "restore", "restore_images", "write_record"]
+
+
+def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
+                   tcp_established: bool = False, take_wait_s: float | None = None) -> dict[str, Any]:
+    """Snapshot the bare process tree rooted at pid into `images`."""
+    req = Request(images, leave_running=leave_running, tcp_established=tcp_established,
+                  timeouts=Timeouts.from_config(config, take_wait_s))
+    return checkpoint(CriuRunner(config.criu, pid), req, config)
+
+
+def restore_images(images: str, config: Config, *, tcp_established: bool = False) -> dict[str, Any]:
+    """Restore a bare process tree from `images`, detached."""
+    req = Request(images, tcp_established=tcp_established, timeouts=Timeouts.from_config(config))
+    return restore(CriuRunner(config.criu), req, config)
+
+
+def write_record(work_dir: str, record: dict[str, Any], *, create: bool = False) -> str | None:
+    """Write a run's result or failure record into the work directory (0600, atomic). A missing
+    one is made (0700) only with `create` (runc's contract: the work path holds its logs and
+    snapguard's record); else a refused run changes nothing. Returns the path, or None."""
+    import stat
+
+    from ..files import ensure_private_dir
+
+    path = os.path.join(work_dir, RESULT_NAME)
+    if create and not os.path.lexists(work_dir):
+        ensure_private_dir(work_dir)
+    try:
+        st = os.lstat(work_dir)
+    except OSError:
+        return None
+
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None  # not a directory snapguard may write in as root
+    write_private_json(path, record)
+    return path

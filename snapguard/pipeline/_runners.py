@@ -1,0 +1,155 @@
+"""Who runs CRIU: the one thing the two entry points do differently.
+
+`RuncRunner` (snapguard-runc): the real runc runs CRIU (`criu swrk`), with containerd's argv
+unchanged but for the pinned CRIU; the container's pid comes from `runc state`. `CriuRunner`
+(snapguard checkpoint/restore): snapguard runs `criu dump/restore` itself on a bare process tree.
+Everything else, before and after, is the one sequence in `_sequence`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from .. import children, procfs, runc
+from ..criu import CriuOptions
+from ..names import DUMP_LOG, RESTORE_LOG, RESTORED_PIDFILE
+from ..reasons import Reason, SnapguardError
+from ._request import Request
+
+__all__ = ["CriuRunner", "Runner", "RuncRunner"]
+
+
+class Runner(Protocol):
+    #: whether restored processes take their pids in this host's pid namespace (a bare tree), so
+    #: pids of the image in use here are a conflict; a container gets a namespace of its own
+    uses_host_pids: bool
+
+    def describe(self) -> str: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+    def target_pid(self) -> int: ...
+
+    def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int: ...
+
+    def after_failed_dump(self) -> None: ...
+
+    def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int: ...
+
+    def restored_pid(self, req: Request) -> int: ...
+
+
+class CriuRunner:
+    """snapguard runs CRIU on a bare process tree (`pid` for a checkpoint, None for a restore)."""
+
+    uses_host_pids = True
+
+    def __init__(self, criu: str, pid: int | None = None) -> None:
+        self.criu = criu
+        self.pid = pid
+
+    def describe(self) -> str:
+        return f"--pid {self.pid}" if self.pid is not None else "bare restore"
+
+    def identity(self) -> dict[str, Any]:
+        return {"root_pid": self.pid, "bare": True}
+
+    def target_pid(self) -> int:
+        assert self.pid is not None
+        return self.pid
+
+    def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
+        return children.run(options.dump_argv(self.criu, self.target_pid()), env=env, timeout_s=req.timeouts.run_s,
+                            what="criu dump", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING)
+
+    def after_failed_dump(self) -> None:
+        pass  # CRIU seized the tree with ptrace: its end, even a kill, lets the tree go on
+
+    def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
+        pidfile = req.path(RESTORED_PIDFILE)
+        try:
+            os.unlink(pidfile)  # a stale one would name another process
+        except FileNotFoundError:
+            pass
+        return children.run(options.restore_argv(self.criu, pidfile), env=env, timeout_s=req.timeouts.run_s,
+                            what="criu restore", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING)
+
+    def restored_pid(self, req: Request) -> int:
+        pidfile = req.path(RESTORED_PIDFILE)
+        try:
+            fd = os.open(pidfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd) as f:
+                return int(f.read(32).strip())
+        except (OSError, ValueError):
+            raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"CRIU exited 0 but left no pid in {pidfile}",
+                                 workload_intact=False, evidence={"pidfile": pidfile}) from None
+
+
+class RuncRunner:
+    """The real runc runs CRIU for a container; `args` is snapguard-runc's argv without argv[0]."""
+
+    uses_host_pids = False
+
+    def __init__(self, runc_path: str, args: list[str], *, root: str | None, container_id: str,
+                 pid_file: str | None = None) -> None:
+        self.runc = runc_path
+        self.args = args
+        self.root = root
+        self.container_id = container_id
+        self.pid_file = pid_file
+        self.status_before: str | None = None
+
+    def describe(self) -> str:
+        return f"container {self.container_id}"
+
+    def identity(self) -> dict[str, Any]:
+        return {"container_id": self.container_id}
+
+    def target_pid(self) -> int:
+        state = runc.state(self.runc, self.root, self.container_id)
+        self.status_before = state.get("status")
+        if self.status_before not in ("running", "paused"):
+            raise SnapguardError(Reason.CONTAINER_NOT_FOUND,
+                                 f"container {self.container_id} is {self.status_before}, not running",
+                                 evidence={"container": self.container_id, "status": self.status_before})
+        return int(state["pid"])
+
+    def _run(self, req: Request, env: dict[str, str], verb: str) -> int:
+        # containerd hands runc the container's stdio and sockets by fd inheritance
+        return children.run([self.runc, *self.args], env=env, timeout_s=req.timeouts.run_s, what=f"runc {verb}",
+                            reason=Reason.RUNC_TIMEOUT, start_reason=Reason.RUNC_UNUSABLE, inherit_fds=True)
+
+    def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
+        return self._run(req, env, "checkpoint")
+
+    def after_failed_dump(self) -> None:
+        """CRIU freezes a container's cgroup: a runc or CRIU killed mid-dump leaves it frozen."""
+        try:
+            now = runc.state(self.runc, self.root, self.container_id).get("status")
+        except SnapguardError:
+            return
+        if now == "paused" and self.status_before == "running":
+            children.run([self.runc, *(["--root", self.root] if self.root else []), "resume", self.container_id],
+                         timeout_s=30, what="runc resume", reason=Reason.RUNC_TIMEOUT)
+
+    def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
+        return self._run(req, env, "restore")
+
+    def restored_pid(self, req: Request) -> int:
+        if self.pid_file:
+            try:
+                fd = os.open(self.pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                with os.fdopen(fd) as f:
+                    return int(f.read(32).strip())
+            except (OSError, ValueError):
+                pass
+        return int(runc.state(self.runc, self.root, self.container_id)["pid"])
+
+
+def log_path(req: Request, restore: bool) -> str:
+    return req.path(RESTORE_LOG if restore else DUMP_LOG)
+
+
+def alive(pid: int) -> bool:
+    return procfs.process_state(pid) not in ("gone", "Z", "X")

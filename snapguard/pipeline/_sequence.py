@@ -1,0 +1,290 @@
+"""The snapshot and restore sequences, once, for both entry points.
+
+checkpoint: target -> process tree -> preflight (host and workload) -> claim the tree -> image
+directory -> take point -> CUDA lock + checkpoint -> CRIU (through the runner) -> CUDA restore +
+unlock and release (leave-running or failure) -> seal -> result.
+restore: verify the image -> compare with this host -> CRIU (through the runner) -> the restored
+processes run, CUDA ones `running` -> release the take point -> result.
+
+Every step runs under `_Steps.step`, which times it and turns an OSError or ValueError escaping it
+into that step's typed reason, so nothing below the entry points reaches a user untyped.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .. import criu, files, gpu_suspend, image, preflight, procfs
+from ..config import Config, resolve_cuda_checkpoint
+from ..hooks import take
+from ..reasons import Finding, Reason, SnapguardError
+from ..trust import UntrustedPathError
+from ._request import Request
+from ._runners import Runner, alive, log_path
+
+__all__ = ["checkpoint", "restore"]
+
+
+class _Steps:
+    """Timings of the steps of one run, and the step's reason for any OS error inside it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str, reason: Reason, **evidence: Any) -> Iterator[None]:
+        t = time.monotonic()
+        try:
+            yield
+        except UntrustedPathError as e:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={**evidence, "path": e.path}) from None
+        except (OSError, ValueError) as e:
+            detail = f"{e.strerror or e}: {e.filename}" if isinstance(e, OSError) and e.filename else \
+                (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+            raise SnapguardError(reason, f"{name}: {detail}", evidence={**evidence, "step": name}) from None
+        finally:
+            self.timings[f"{name}_s"] = self.timings.get(f"{name}_s", 0.0) + time.monotonic() - t
+
+    def done(self) -> dict[str, float]:
+        return {**self.timings, "total_s": time.monotonic() - self.t0}
+
+
+@contextmanager
+def _claimed(config: Config, pids: list[int], image_dir: str) -> Iterator[None]:
+    """One snapguard run per process and per image at a time: a second checkpoint of a tree being
+    checkpointed (or any run on the same image) is refused, not raced. flock: a run that dies
+    lets go by itself."""
+    lock_dir = files.ensure_private_dir(os.path.join(config.state_dir, "locks"))
+    held: list[int] = []
+    try:
+        keys = sorted({f"pid-{p}" for p in pids} | {"image-" + image_dir.strip("/").replace("/", "%")[-200:]})
+        for key in keys:
+            fd = os.open(os.path.join(lock_dir, key), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            held.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                what = f"process {key[4:]}" if key.startswith("pid-") else f"image {image_dir}"
+                raise SnapguardError(Reason.SNAPSHOT_IN_PROGRESS, f"another snapguard run holds {what}",
+                                     evidence={"lock": key}) from None
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _network_lock(req: Request, own_netns: bool, conns: list[dict[str, Any]]) -> tuple[str | None, bool]:
+    """(CRIU's --network-lock, whether iptables must exist). CRIU locks a namespace of the tree's
+    own, or each established connection in the host's, with iptables; connections between
+    processes of the tree are frozen with it and need no lock, and a tree in the host's namespace
+    with none needs none either (GPU nodes often have no iptables)."""
+    if req.network_lock == "skip" or (req.network_lock == "auto" and procfs.internal_only(conns) and not own_netns):
+        return "skip", False
+    if req.network_lock == "nftables":
+        return "nftables", False
+    return None, own_netns or bool(conns)
+
+
+def _criu_errors(log: str) -> tuple[str, list[dict[str, Any]]]:
+    errors = criu.read_log_errors(log)
+    return "; ".join(str(e) for e in errors), [{"where": e.where, "message": e.message, "context": e.context}
+                                               for e in errors]
+
+
+def _record(result: dict[str, Any], steps: _Steps, log: str) -> dict[str, Any]:
+    return {**result, "ok": True, "timings": steps.done(), "criu_marks": criu.log_marks(log)}
+
+
+def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
+    """Snapshot the runner's target into req.image_dir; a result record, or SnapguardError."""
+    steps = _Steps()
+    with steps.step("preflight", Reason.PREFLIGHT_FAILED):
+        pid = runner.target_pid()
+        tree = procfs.process_tree(pid)
+        inv = procfs.inventory(tree)
+        report = preflight.Report(runner.describe())
+        own_netns = procfs.own_netns(pid)
+        conns = procfs.tree_tcp(inv) if req.tcp_established else []
+        network_lock, needs_iptables = _network_lock(req, own_netns, conns)
+        preflight.host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=needs_iptables)
+        inv.attach_gpu(report.facts.get("gpu"))
+        found = take.trainers(tree)
+        preflight.workload_checks(report, inv, req.tcp_established, trainers=found)
+        report.raise_blockers()
+        cuda_pids = [p.pid for p in inv.cuda_processes()]
+    with _claimed(config, tree, req.image_dir):
+        with steps.step("image_dir", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
+            files.ensure_private_dir(req.image_dir)
+            files.ensure_private_dir(req.work_dir)
+        with steps.step("take", Reason.PREFLIGHT_FAILED):
+            figures, take_warnings, _ = take.hold(found, cuda_pids, req.timeouts.take_wait_s)
+        warnings = report.warnings + take_warnings
+        options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
+                                   timeout_s=req.timeouts.criu_s, leave_running=req.leave_running,
+                                   tcp_established=req.tcp_established, network_lock=network_lock)
+        log = log_path(req, restore=False)
+        try:
+            with steps.step("cuda_suspend", Reason.CUDA_CHECKPOINT_FAILED):
+                gpu_suspend.suspend(cuda_pids, req.timeouts.criu_s)
+        except SnapguardError:
+            take.release_all(found)
+            raise
+        rc: int | None = None
+        failure: SnapguardError | None = None
+        try:
+            with steps.step("dump", Reason.CRIU_DUMP_FAILED), \
+                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
+                rc = runner.dump(req, options, run_dir.environment(options))
+        except SnapguardError as e:  # a deadline passed, or runc or CRIU did not start
+            failure = e
+            runner.after_failed_dump()
+        goes_on = failure is not None or rc != 0 or req.leave_running  # the image is on disk, or there is none
+        outcomes: dict[int, str] = {}
+        if goes_on:
+            with steps.step("cuda_resume", Reason.CUDA_STATE_WEDGED):
+                outcomes = gpu_suspend.resume(cuda_pids)
+            take.release_all(found)
+        wedged = gpu_suspend.wedged(outcomes)
+        evidence = {**runner.identity(), "cuda_recovery": outcomes, "log": log}
+        if failure is not None:
+            failure.failure.workload_intact = alive(pid) and not wedged
+            failure.failure.evidence.update(evidence)
+            failure.failure.warnings = warnings
+            raise failure
+        if rc != 0:
+            quoted, errors = _criu_errors(log)
+            raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted or f"exit {rc}, no CRIU error in {log}",
+                                 workload_intact=alive(pid) and not wedged,
+                                 evidence={**evidence, "exit": rc, "errors": errors}, warnings=warnings)
+        if wedged:
+            raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
+                                 evidence=evidence, warnings=warnings)
+        gpu_facts = report.facts.get("gpu")
+        with steps.step("seal", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
+            manifest = image.seal(req.image_dir, {
+                **runner.identity(),
+                "leave_running": req.leave_running,
+                "own_netns": own_netns,
+                "network_lock": network_lock,
+                "tcp_connections": len(conns),
+                "criu_version": report.facts["criu_version"],
+                "host": report.facts["host"],
+                "processes": inv.summary(),
+                "take_point": {str(p): f for p, f in figures.items()},
+                "gpu": preflight.gpu.image_gpu_facts(gpu_facts, inv.pids) if gpu_facts and cuda_pids else None,
+            })
+    return _record({
+        "operation": "checkpoint", **runner.identity(), "pid": pid, "image": req.image_dir,
+        "leave_running": req.leave_running, "network_lock": network_lock, "cuda_pids": cuda_pids,
+        "image_bytes": manifest["image_bytes"], "files": len(manifest["files"]), "take_point": figures,
+        "warnings": [w.to_dict() for w in warnings],
+    }, steps, log)
+
+
+def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
+    """Pids of the image in use here. The processes a stop snapshot killed may still be zombies
+    waiting for their new parent to reap them: those are given a few seconds to go."""
+    wanted = [p["pid"] for p in manifest.get("processes") or [] if isinstance(p, dict) and isinstance(p.get("pid"), int)]
+    deadline = time.monotonic() + grace_s
+    while any(procfs.process_state(p) == "Z" for p in wanted) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    taken = [p for p in wanted if procfs.process_state(p) != "gone"]
+    if not taken:
+        return []
+    return [Finding(Reason.PID_CONFLICT, f"pid(s) {', '.join(map(str, taken))} of the image are in use here",
+                    evidence={"pids": taken})]
+
+
+def _device_map(req: Request, report: preflight.Report, config: Config) -> list[tuple[str, str]] | None:
+    """The GPU remapping a restore needs, checked to be one the cuda-checkpoint in use applies."""
+    if req.device_map is not None:
+        pairs: list[tuple[str, str]] | None = [tuple(p) for p in req.device_map]  # type: ignore[misc]
+    else:
+        pairs = next(([(old, new) for old, new in f.evidence["device_map"]] for f in report.findings
+                      if f.reason is Reason.GPU_IDENTITY_MISMATCH and "device_map" in f.evidence), None)
+    if not pairs:
+        return None
+    tool = resolve_cuda_checkpoint(config)
+    from .. import children
+
+    helps = children.run_captured([tool, "-h"], timeout_s=30, what="cuda-checkpoint -h",
+                                  reason=Reason.CUDA_PLUGIN_UNAVAILABLE).stdout if tool else ""
+    if "SNAPGUARD_DEVICE_MAP" not in helps:
+        raise SnapguardError(Reason.GPU_IDENTITY_MISMATCH,
+                             f"the image's GPUs are not here and {tool} cannot take a device map from CRIU's "
+                             "plugin; install snapguard-cuda-checkpoint at the pinned path",
+                             evidence={"device_map": pairs, "cuda_checkpoint": tool})
+    return pairs
+
+
+def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
+    """The restored root runs, and every process the image had a CUDA context in is `running`.
+    A container's processes keep their pids inside its namespace: they are found by those."""
+    if not alive(pid):
+        raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"the restored process {pid} is gone",
+                             workload_intact=False, evidence={"pid": pid})
+    wanted = [p.get("nspid", p["pid"]) for p in manifest.get("processes") or [] if p.get("gpu")]
+    if not wanted:
+        return {}
+    by_nspid = procfs.pid_map(pid)
+    missing = [n for n in wanted if n not in by_nspid]
+    if missing:
+        raise SnapguardError(Reason.CUDA_RESTORE_FAILED, f"restored CUDA process(es) {missing} are gone",
+                             workload_intact=False, evidence={"missing": missing})
+    from .. import cuda
+
+    driver = cuda.load()
+    states = {by_nspid[n]: driver.state(by_nspid[n]) for n in wanted}
+    if any(s != "running" for s in states.values()):
+        raise SnapguardError(Reason.CUDA_RESTORE_FAILED, f"restored CUDA processes are not running: {states}",
+                             workload_intact=False, evidence={"states": states})
+    return states
+
+
+def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
+    """Restore req.image_dir through the runner; a result record, or SnapguardError."""
+    steps = _Steps()
+    with steps.step("preflight", Reason.PREFLIGHT_FAILED, image=req.image_dir):
+        report = preflight.manifest_report(req.image_dir, config, criu=config.criu)
+        manifest = report.facts.get("manifest")
+        if manifest is not None and runner.uses_host_pids:
+            report.run("pid-conflicts", lambda: _pid_conflicts(manifest))
+        report.raise_blockers()
+        assert manifest is not None
+        device_map = _device_map(req, report, config)
+    options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
+                               timeout_s=req.timeouts.criu_s, tcp_established=req.tcp_established,
+                               network_lock="skip" if manifest.get("network_lock") == "skip" else None,
+                               log_file=os.path.basename(log_path(req, restore=True)))
+    log = log_path(req, restore=True)
+    with _claimed(config, [], req.image_dir):
+        with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
+            files.ensure_private_dir(req.work_dir)
+        with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
+                criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
+            rc = runner.restore(req, options, run_dir.environment(options, device_map))
+        if rc != 0:
+            quoted, errors = _criu_errors(log)
+            raise SnapguardError(Reason.CRIU_RESTORE_FAILED, quoted or f"exit {rc}, no CRIU error in {log}",
+                                 evidence={"image": req.image_dir, "exit": rc, "log": log, "errors": errors},
+                                 warnings=report.warnings)
+        with steps.step("confirm", Reason.CRIU_RESTORE_FAILED):
+            pid = runner.restored_pid(req)
+            states = _check_restored(manifest, pid)
+        if manifest.get("take_point"):
+            # the workload was held at its take point when dumped: let it go on
+            take.release_all(take.trainers(procfs.process_tree(pid)))
+    return _record({
+        "operation": "restore", **runner.identity(), "pid": pid, "image": req.image_dir, "cuda_states": states,
+        "device_map": device_map, "image_epoch": manifest["epoch"],
+        "warnings": [w.to_dict() for w in report.warnings],
+    }, steps, log)

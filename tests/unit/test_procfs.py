@@ -1,0 +1,88 @@
+"""The process model: targets CRIU cannot take are typed before anything runs, on real processes
+(a kernel thread, a zombie, a thread id) and on fixture trees; the procfs root is one setting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from snapguard import procfs
+from snapguard.reasons import Reason, SnapguardError
+
+
+def _refusal(pid: int) -> Reason:
+    with pytest.raises(SnapguardError) as e:
+        procfs.process_tree(pid)
+    assert "\n" not in str(e.value)
+    return e.value.reason
+
+
+def test_kernel_thread_is_refused() -> None:
+    kthreadd = 2  # kthreadd: pid 2 in the root pid namespace
+    assert procfs.proc_text(2, "comm").strip() == "kthreadd"
+    assert _refusal(kthreadd) is Reason.KERNEL_THREAD
+
+
+def test_zombie_is_refused() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while procfs.process_state(proc.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)  # exited, not reaped: a zombie until wait()
+    try:
+        assert _refusal(proc.pid) is Reason.ZOMBIE_PROCESS
+    finally:
+        proc.wait()
+
+
+def test_thread_id_is_refused() -> None:
+    ready, done = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def run() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        done.wait()
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        ready.wait()
+        assert tid[0] != os.getpid()
+        with pytest.raises(SnapguardError) as e:
+            procfs.process_tree(tid[0])
+        assert e.value.reason is Reason.NOT_THREAD_GROUP_LEADER
+        assert e.value.failure.evidence["tgid"] == os.getpid()
+    finally:
+        done.set()
+        t.join()
+
+
+def test_absent_and_nonpositive_pids() -> None:
+    assert _refusal(0) is Reason.PROCESS_NOT_FOUND
+    assert _refusal(-5) is Reason.PROCESS_NOT_FOUND
+    assert _refusal(2 ** 22 + 17) is Reason.PROCESS_NOT_FOUND
+
+
+def test_one_procfs_root_for_every_read(tmp_path: Path) -> None:
+    root = tmp_path / "proc"
+    (root / "4242" / "task" / "4242").mkdir(parents=True)
+    (root / "4242" / "task" / "4242" / "children").write_text("")
+    (root / "4242" / "stat").write_text("4242 (a (b) c) S 1 4242 4242 0 -1 4194560 0\n")
+    (root / "4242" / "status").write_text("Name:\ta (b) c\nTgid:\t4242\nNSpid:\t4242\t7\nPPid:\t1\n")
+    with procfs.using_procfs(str(root)):
+        assert procfs.procfs_path() == str(root)
+        assert procfs.process_tree(4242) == [4242]
+        assert procfs.nspid(4242) == 7
+        assert procfs.process_state(4242) == "S"
+    assert procfs.procfs_path() == "/proc"
+    assert procfs.process_state(4242, proc=str(root)) == "S"
+
+
+def test_ordinary_process_is_a_valid_target() -> None:
+    assert procfs.process_tree(os.getpid())[0] == os.getpid()
