@@ -1,8 +1,10 @@
 """`snapguard-runc`: the executor containerd runs in place of runc.
 
-Every subcommand but checkpoint and restore replaces this process with the real runc, argv
-unchanged but argv[0]; that path imports only os, sys and the two small modules below, because
-its cost is added to every container operation on the node.
+Every command line on which runc would run neither checkpoint nor restore replaces this process
+with the real runc, argv unchanged but argv[0]; that path imports only os, sys and the two small
+modules below, because its cost is added to every container operation on the node. `decide`
+reads argv as runc does (see _argv); where it cannot tell which command runc would run and the
+command line names checkpoint or restore, it refuses rather than let runc run unguarded.
 """
 
 from __future__ import annotations
@@ -11,9 +13,43 @@ import os
 import sys
 
 from ..config import ConfigError, pinned_runc
-from ._argv import ArgvError, split_global
+from ._argv import GUARDED_VERBS, PASS_THROUGH_VERBS, ArgvError, GlobalOptions, one_line, split_global
 
-GUARDED = ("checkpoint", "restore")
+
+def decide(args: list[str]) -> tuple[str, GlobalOptions | str | None]:
+    """What to do with runc's argv (without argv[0]), decided as runc would read it.
+
+    ("guard", opts): runc would run checkpoint or restore; opts are the global options.
+    ("pass", None): runc would run another command, or fail on its own: exec it unchanged.
+    ("refuse", message): runc might checkpoint or restore, but not as snapguard can tell; or
+    it would run neither as written: fail with a one-line USAGE_ERROR.
+    """
+    for i, arg in enumerate(args):
+        if "\0" in arg:  # exec could not even pass it on
+            return "refuse", f"argument {i + 1} contains a NUL byte"
+    try:
+        opts = split_global(args)
+    except ArgvError as e:
+        return _unsure(args, str(e))
+    verb = opts.subcommand
+    if verb in GUARDED_VERBS:
+        if opts.help_or_version:
+            return "refuse", f"{verb} with --help or --version: runc would print them instead"
+        if opts.log_format not in ("", "text", "json"):
+            return "refuse", f"invalid log-format: {one_line(opts.log_format)}"
+        return "guard", opts
+    if verb in PASS_THROUGH_VERBS:
+        return "pass", None
+    return _unsure(args, "no command" if verb is None else f"unknown command {one_line(verb)}")
+
+
+def _unsure(args: list[str], why: str) -> tuple[str, str | None]:
+    """The verb runc would run is unknown: refuse if the command line names a guarded verb
+    anywhere, else let runc run and print its own error."""
+    named = [verb for verb in GUARDED_VERBS if verb in args]
+    if named:
+        return "refuse", f"{why}; refusing a command line that names {named[0]}"
+    return "pass", None
 
 
 def _fail(reason: str, message: str, args: list[str]) -> int:
@@ -23,28 +59,29 @@ def _fail(reason: str, message: str, args: list[str]) -> int:
 
     try:
         opts = split_global(args)
-        log, log_format = opts.log, opts.log_format
-    except ArgvError:
-        log, log_format = None, "text"
-    return report_failure(Failure(Reason[reason], message), log, log_format, None)
+    except ArgvError as e:
+        opts = e.opts or GlobalOptions()  # the flags before the error: --log is usually among them
+    return report_failure(Failure(Reason[reason], message), opts.log, opts.log_format, None)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     args = argv[1:]
-    try:
-        opts = split_global(args)
-    except ArgvError as e:
-        return _fail("USAGE_ERROR", str(e), args)
-    if opts.subcommand not in GUARDED:
-        try:
-            runc = pinned_runc()
-        except ConfigError as e:
-            return _fail(e.reason, str(e), args)
-        os.execv(runc, [runc, *args])
-    from .guarded import run_guarded
+    action, detail = decide(args)
+    if action == "refuse":
+        assert isinstance(detail, str)
+        return _fail("USAGE_ERROR", detail, args)
+    if action == "guard":
+        assert isinstance(detail, GlobalOptions)
+        from .guarded import run_guarded
 
-    return run_guarded(args, opts)
+        return run_guarded(args, detail)
+    try:
+        runc = pinned_runc()
+    except ConfigError as e:
+        return _fail(e.reason, str(e), args)
+    os.execv(runc, [runc, *args])
+    return 1  # not reached: execv replaces this process
 
 
 if __name__ == "__main__":

@@ -62,10 +62,19 @@ def test_unusable_runc_is_a_typed_one_line_error(tmp_path: Path, snapguard_runc:
     assert line["level"] == "error" and line["msg"].startswith("snapguard RUNC_UNUSABLE: runc ")
 
 
-def test_bad_global_argv_is_typed(snapguard_runc: str) -> None:
+def test_bad_global_argv_naming_a_guarded_verb_is_refused(snapguard_runc: str) -> None:
+    """Global flags snapguard cannot parse: when in doubt about the verb and checkpoint or restore
+    is named, refuse instead of handing runc a checkpoint without the guards."""
+    out = subprocess.run([snapguard_runc, "--bogus", "checkpoint", "c1"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "snapguard USAGE_ERROR: flag provided but not defined: --bogus" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_global_argv_without_a_guarded_verb_is_runcs_to_answer(snapguard_runc: str) -> None:
     out = subprocess.run([snapguard_runc, "--root"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
-    assert "snapguard USAGE_ERROR: flag needs an argument: -root" in out.stderr
+    assert "flag needs an argument: -root" in out.stderr and "snapguard" not in out.stderr
     assert "Traceback" not in out.stderr
 
 
