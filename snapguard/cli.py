@@ -10,7 +10,7 @@ from typing import NoReturn
 
 from . import __version__
 from .config import ConfigError, load
-from .reasons import Failure, Reason, SnapguardError
+from .reasons import Reason, SnapguardError, failure_from
 
 EXIT_USAGE = 2
 
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="The stable failure reason names with meaning, phase and remedy.")
     rs.add_argument("--json", action="store_true", help="print as JSON")
 
-    dr = sub.add_parser("drill", help="a real snapshot drill (runs snapguard-lab drill)", add_help=False,
+    sub.add_parser("drill", help="a real snapshot drill (runs snapguard-lab drill)", add_help=False,
                         description="Hands over to `snapguard-lab drill` (the lab package, installed beside "
                                     "snapguard by packaging/setup.sh); see `snapguard-lab drill --help`.")
     return p
@@ -174,21 +174,6 @@ def _cmd_drill(lab_args: list[str]) -> int:
     os.execv(lab, [lab, "drill", *lab_args])
 
 
-def _boundary_failure(e: BaseException) -> Failure:
-    """What escapes a command, typed: the one place where the CLI's errors become reasons."""
-    if isinstance(e, SnapguardError):
-        return e.failure
-    if isinstance(e, ConfigError):
-        return Failure(Reason[e.reason], str(e))
-    named = getattr(e, "reason", None)  # ConfigError, trust.UntrustedPathError: a Reason's name
-    if isinstance(named, str) and named in Reason.__members__:
-        return Failure(Reason[named], str(e))
-    if isinstance(e, OSError):
-        where = f": {e.filename}" if e.filename else ""
-        return Failure(Reason.INTERNAL_ERROR, f"{e.strerror or e}{where}", evidence={"errno": e.errno})
-    return Failure(Reason.INTERNAL_ERROR, f"{type(e).__name__}: {e}".splitlines()[0][:500])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["drill"]:
@@ -201,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the boundary: one typed line, never a traceback
-        failure = _boundary_failure(e)
+        failure = failure_from(e)
         print(failure.message, file=sys.stderr)
         return EXIT_USAGE if failure.reason.phase.value == "usage" or isinstance(e, ConfigError) else 1
 

@@ -156,7 +156,7 @@ def nspid(pid: int, proc: str | None = None) -> int:
 def check_target(pid: int, proc: str | None = None) -> None:
     """Refuse, typed, a pid CRIU cannot take as the root of a tree: absent, a kernel thread, a
     zombie, or a thread that is not its thread group's leader (CRIU hits an internal BUG there)."""
-    evidence = {"pid": pid}
+    evidence: dict[str, object] = {"pid": pid}
     if pid <= 0:
         raise SnapguardError(Reason.PROCESS_NOT_FOUND, f"{pid} is not a process id", evidence=evidence)
     fields = _stat_fields(pid, proc)
@@ -192,7 +192,8 @@ def own_netns(pid: int, proc: str | None = None) -> bool:
 
 def _children(pid: int, proc: str) -> list[int]:
     kids: list[int] = []
-    for tid in _vanishing(lambda: os.listdir(f"{proc}/{pid}/task"), []):
+    tids: list[str] = _vanishing(lambda: os.listdir(f"{proc}/{pid}/task"), [])
+    for tid in tids:
         text = _vanishing(lambda: _read(f"{proc}/{pid}/task/{tid}/children"), "")
         kids.extend(int(c) for c in text.split() if c.isdigit())
     return kids
@@ -333,7 +334,8 @@ def read_proc(pid: int, proc: str | None = None) -> ProcInfo | None:
     info.env = dict(kv.split("=", 1) for kv in environ.split("\0") if "=" in kv)
     info.mapped_paths = parse_maps(_vanishing(lambda: _read(f"{root}/{pid}/maps"), ""))
     info.deleted_shm = sorted(p for p in info.mapped_paths if p.startswith("/dev/shm/") and p.endswith(" (deleted)"))
-    for name in _vanishing(lambda: os.listdir(f"{root}/{pid}/fd"), []):
+    names: list[str] = _vanishing(lambda: os.listdir(f"{root}/{pid}/fd"), [])
+    for name in names:
         if not name.isdigit():
             continue
         fd = int(name)

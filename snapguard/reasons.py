@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "Failure",
+    "failure_from",
     "Finding",
     "Phase",
     "Reason",
@@ -252,6 +253,23 @@ class Failure:
 
     def __str__(self) -> str:
         return self.message
+
+
+def failure_from(e: BaseException) -> Failure:
+    """Any exception as a typed Failure: the one translation each entry point's boundary applies
+    (psutil's wrap_exceptions is the model). A SnapguardError carries its own; an exception with
+    a `reason` attribute naming a member (ConfigError, trust.UntrustedPathError, ArgvError) takes
+    it; an OSError the entry point did not foresee, or anything else, is INTERNAL_ERROR with its
+    message in one line, never a traceback."""
+    if isinstance(e, SnapguardError):
+        return e.failure
+    named = getattr(e, "reason", None)
+    if isinstance(named, str) and named in Reason.__members__:
+        return Failure(Reason[named], str(e).replace("\n", " "))
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return Failure(Reason.INTERNAL_ERROR, f"{e.strerror or e}{where}", evidence={"errno": e.errno})
+    return Failure(Reason.INTERNAL_ERROR, f"{type(e).__name__}: {e}".splitlines()[0][:500])
 
 
 class SnapguardError(Exception):

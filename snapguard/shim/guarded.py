@@ -10,8 +10,8 @@ import sys
 from typing import Any
 
 from .. import pipeline
-from ..config import ConfigError, check_pinned_binary, load
-from ..reasons import Failure, Reason, SnapguardError
+from ..config import check_pinned_binary, load
+from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._argv import ArgvError, GlobalOptions, parse_subcommand
 from ._runclog import report_failure
 
@@ -19,19 +19,9 @@ __all__ = ["run_guarded"]
 
 
 def _failure(e: BaseException) -> Failure:
-    if isinstance(e, SnapguardError):
-        return e.failure
     if isinstance(e, ArgvError):
         return Failure(Reason.USAGE_ERROR, str(e))
-    if isinstance(e, ConfigError):
-        return Failure(Reason[e.reason], str(e))
-    named = getattr(e, "reason", None)  # ConfigError, trust.UntrustedPathError: a Reason's name
-    if isinstance(named, str) and named in Reason.__members__:
-        return Failure(Reason[named], str(e))
-    if isinstance(e, OSError):
-        where = f": {e.filename}" if e.filename else ""
-        return Failure(Reason.INTERNAL_ERROR, f"{e.strerror or e}{where}", evidence={"errno": e.errno})
-    return Failure(Reason.INTERNAL_ERROR, f"{type(e).__name__}: {e}".splitlines()[0][:500])
+    return failure_from(e)
 
 
 def run_guarded(args: list[str], opts: GlobalOptions) -> int:

@@ -146,12 +146,16 @@ def test_device_map_from_environment_is_parsed() -> None:
 
 def test_criu_environment_carries_the_device_map(tmp_path: Path) -> None:
     from snapguard import criu
-    from snapguard.config import load
 
-    cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path), "SNAPGUARD_CONFIG": os.devnull})
-    env = criu.prepare_environment(cfg, "/usr/local/sbin/criu", [("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")])
-    assert env["SNAPGUARD_DEVICE_MAP"] == "GPU-a=GPU-b,GPU-c=GPU-d"
-    assert "SNAPGUARD_DEVICE_MAP" not in criu.prepare_environment(cfg, "/usr/local/sbin/criu")
+    options = criu.CriuOptions(images_dir=str(tmp_path), work_dir=str(tmp_path), libdir="/usr/local/lib/criu",
+                               timeout_s=5)
+    with criu.RunDir(str(tmp_path / "state"), "/usr/local/sbin/criu", None) as run_dir:
+        env = run_dir.environment(options, [("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")])
+        assert env["SNAPGUARD_DEVICE_MAP"] == "GPU-a=GPU-b,GPU-c=GPU-d"
+        # a map in the caller's own environment never reaches CRIU's plugin: only the executor's
+        assert "SNAPGUARD_DEVICE_MAP" not in run_dir.environment(options, base={"SNAPGUARD_DEVICE_MAP": "x=y"})
+        assert os.readlink(os.path.join(env["PATH"].split(":")[0], "criu")) == "/usr/local/sbin/criu"
+    assert not os.path.exists(run_dir.path), "a run's private directory outlives it"
 
 
 def test_cuda_plugin_check_probes_cuda_checkpoint_like_the_plugin(tmp_path: Path) -> None:
