@@ -1,13 +1,22 @@
-"""Issue 4, nothing wedged: faults injected past the lock on a live trainer, which must finish
-bit-identical to an uninterrupted reference run.
+"""The GPU rows of the fault matrix (tests/system/test_faults.py has the CPU rows): each step of a
+snapshot past the CUDA lock failed in turn on one live trainer, through snapguard's own pipeline,
+then a stop snapshot whose first restore fails in the driver; the trainer must finish
+bit-identical to an uninterrupted reference run, and after every row it is either running (CUDA
+state `running`) or cleanly stopped with a whole image.
 
-Faults, in one trainer run:
-  1. copy fails: the image directory is a 64 MiB tmpfs, CRIU's page dump hits ENOSPC after the
-     executor locked and checkpointed the process -> CRIU_DUMP_FAILED, process recovered;
-  2. the driver-API path fails after checkpoint: lock + checkpoint through cuda-checkpoint, then
-     the (simulated) copy fails -> snapguard.cuda.recover restores and unlocks;
-  3. CRIU killed (SIGKILL) once the GPU state is checkpointed, the process left behind checkpointed
-     and seized -> recover restores and unlocks.
+Rows (leave-running unless said):
+  cuda-lock       another tool holds the CUDA lock -> CUDA_CHECKPOINT_FAILED at the lock, unlocked
+  page-dump       the image dir is a 64 MiB tmpfs: CRIU's page dump hits ENOSPC -> CRIU_DUMP_FAILED
+  criu-killed     CRIU SIGKILLed while the GPU state is checkpointed -> CRIU_DUMP_FAILED, restored
+  criu-hang       CRIU hangs (a wrapper that sleeps on `dump`), criu_timeout_s 1: snapguard's deadline
+                  kills it -> CRIU_TIMEOUT, CUDA restored
+  seal            a FIFO planted in the image dir: the dump succeeds, the seal refuses it -> IMAGE_WRITE_FAILED
+  stop            a stop snapshot (whole image)
+  cuda-restore    its restore with a device map onto an absent GPU: the driver refuses in CRIU's
+                  plugin -> CRIU_RESTORE_FAILED, the image still whole
+  restore         the same image restored as it is: the trainer goes on and finishes
+
+Usage: faults.py OUT_DIR [STEPS]
 """
 
 from __future__ import annotations
@@ -15,24 +24,63 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
+import stat
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from snapguard import criu, cuda
+from snapguard import cuda, image, pipeline
 from snapguard.config import load
-from snapguard.pipeline import checkpoint_pid
-from snapguard.gpu_suspend import resume as recover_cuda
 from snapguard.reasons import SnapguardError
 from snapguard_lab.torch_drill import Trainer, compare
+
+ABSENT_GPU = "GPU-00000000-0000-0000-0000-000000000000"
+
+
+def _criu_children() -> list[int]:
+    """CRIU processes started by this one (the pipeline's runner)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm == "criu" and int(fields[1]) == os.getpid():
+            found.append(int(name))
+    return found
+
+
+def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"row": name}
+    try:
+        result = run()
+        row.update(outcome="ok", result={k: result.get(k) for k in ("pid", "image_bytes", "timings")})
+    except SnapguardError as e:
+        f = e.failure
+        row.update(outcome="refused", reason=f.reason.name, detail=f.detail, workload_intact=f.workload_intact,
+                   cuda_recovery=f.evidence.get("cuda_recovery"),
+                   criu_errors=[x["message"] for x in f.evidence.get("errors", [])][:2])
+    row["seconds"] = time.monotonic() - t0
+    if pid is not None:
+        row["state_after"] = driver.state(pid) if os.path.exists(f"/proc/{pid}") else "gone"
+    print(json.dumps(row, default=str), flush=True)
+    return row
 
 
 def main() -> int:
     out = Path(sys.argv[1])
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 150
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     base = Path("/tmp/faults")
-    base.mkdir(parents=True, exist_ok=True)
+    base.mkdir(parents=True, exist_ok=False)
+    os.chmod(base, 0o700)
     config = load()
     ref = Trainer(base, "reference", steps)
     ref.start()
@@ -40,67 +88,117 @@ def main() -> int:
     run = Trainer(base, "faulted", steps)
     pid = run.start()
     driver = cuda.load()
-    faults = []
+    rows = []
 
-    # 1. copy fails
-    run.wait_step(30)
+    def request(images: Path, **kw: Any) -> pipeline.Request:
+        return pipeline.Request(str(images), timeouts=pipeline.Timeouts.from_config(config), **kw)
+
+    def checkpoint(images: Path, cfg: Any = config, **kw: Any) -> dict[str, Any]:
+        return pipeline.checkpoint(pipeline.CriuRunner(cfg.criu, pid),
+                                   pipeline.Request(str(images), timeouts=pipeline.Timeouts.from_config(cfg), **kw),
+                                   cfg)
+
+    run.wait_step(20)
+    # cuda-lock: another tool (here the driver API in this process) holds the lock
+    driver.lock(pid, 10_000)
+    rows.append(_row("cuda-lock", pid, driver, lambda: checkpoint(base / "lock.img", leave_running=True)))
+
+    # page-dump: ENOSPC in CRIU's page dump, after the executor checkpointed the GPU state
+    run.wait_step(40)
     tiny = base / "tiny"
-    tiny.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(tiny)], check=True)
+    tiny.mkdir()
+    os.system(f"mount -t tmpfs -o size=64m,mode=0700 tmpfs {tiny}")
     try:
-        checkpoint_pid(pid, str(tiny / "img"), config, leave_running=True)
-        faults.append({"fault": "copy fails (ENOSPC)", "refused": False})
-    except SnapguardError as e:
-        faults.append({"fault": "copy fails (ENOSPC)", "reason": e.reason.name,
-                       "workload_intact": e.failure.workload_intact,
-                       "recovery": e.failure.evidence.get("cuda_recovery"), "state_after": driver.state(pid),
-                       "criu_errors": [x["message"] for x in e.failure.evidence.get("errors", [])][:2]})
+        rows.append(_row("page-dump", pid, driver, lambda: checkpoint(tiny / "img", leave_running=True)))
     finally:
-        subprocess.run(["umount", str(tiny)], check=False)
+        os.system(f"umount {tiny}")
 
-    # 2. driver-API path: lock + checkpoint, then the copy "fails"
+    # criu-killed: SIGKILL to CRIU once the GPU state is checkpointed
     run.wait_step(60)
-    cli = ["/usr/local/bin/cuda-checkpoint"]
-    subprocess.run([*cli, "--action", "lock", "--pid", str(pid), "--timeout", "10000"], check=True)
-    subprocess.run([*cli, "--action", "checkpoint", "--pid", str(pid)], check=True)
-    held = subprocess.run([*cli, "--get-state", "--pid", str(pid)], capture_output=True, text=True).stdout.strip()
-    time.sleep(1.0)
-    outcome = recover_cuda([pid])
-    faults.append({"fault": "failure after driver checkpoint", "state_held": held, "recovery": outcome,
-                   "state_after": driver.state(pid)})
 
-    # 3. CRIU killed once the GPU state is checkpointed
-    run.wait_step(90)
-    img = base / "killed.img"
-    img.mkdir(exist_ok=True)
-    argv = criu.dump_argv(config.criu, pid, str(img), str(img), leave_running=True, tcp_established=False,
-                          libdir=config.criu_libdir)
-    dumper = subprocess.Popen(argv, env=criu.prepare_environment(config, config.criu))
-    seen = "running"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and dumper.poll() is None:
-        try:
-            seen = driver.state(pid)
-        except cuda.CudaError:
-            seen = "error"
-        if seen == "checkpointed":
-            dumper.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    dumper.wait()
-    time.sleep(0.5)
-    outcome = recover_cuda([pid])
-    faults.append({"fault": "criu SIGKILLed after GPU checkpoint", "state_when_killed": seen,
-                   "criu_exit": dumper.returncode, "recovery": outcome,
-                   "state_after": driver.state(pid) if os.path.exists(f"/proc/{pid}") else "gone"})
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if driver.state(pid) == "checkpointed":
+                for criu_pid in _criu_children():
+                    os.kill(criu_pid, signal.SIGKILL)
+                if _criu_children() == []:
+                    time.sleep(0.05)
+                return
+            time.sleep(0.002)
 
-    result = run.wait_done(timeout=600)
-    verdict = compare(ref, run, ref_result, result)
-    report = {"steps": steps, "faults": faults, **verdict}
+    t = threading.Thread(target=killer)
+    t.start()
+    rows.append(_row("criu-killed", pid, driver, lambda: checkpoint(base / "killed.img", leave_running=True)))
+    t.join()
+
+    # criu-hang: a CRIU that never finishes its dump; snapguard's deadline (10 x criu_timeout_s)
+    run.wait_step(80)
+    bindir = base / "hangbin"
+    bindir.mkdir(mode=0o700)
+    hang = bindir / "criu"
+    hang.write_text(f'#!/bin/sh\nif [ "$1" = dump ]; then exec sleep 3600; fi\nexec {config.criu} "$@"\n')
+    os.chmod(hang, 0o755)
+    hang_config = load()
+    hang_config.criu = str(hang)
+    hang_config.criu_timeout_s = 1
+    rows.append(_row("criu-hang", pid, driver,
+                     lambda: checkpoint(base / "hang.img", cfg=hang_config, leave_running=True)))
+
+    # seal: a FIFO in the image dir; the dump succeeds, the seal refuses it
+    run.wait_step(100)
+    sealdir = base / "seal.img"
+    sealdir.mkdir(mode=0o700)
+    os.mkfifo(sealdir / "planted.fifo", 0o600)
+    rows.append(_row("seal", pid, driver, lambda: checkpoint(sealdir, leave_running=True)))
+    rows[-1]["marker_present"] = (sealdir / image.MARKER_NAME).exists()
+
+    # stop, then a restore the driver refuses, then the restore that works
+    run.wait_step(120)
+    stop_img = base / "stop.img"
+    rows.append(_row("stop", pid, driver, lambda: checkpoint(stop_img, leave_running=False)))
+    assert run.proc is not None
+    run.proc.wait(timeout=60)
+    manifest = image.verify(str(stop_img))
+    old = manifest["gpu"]["gpus"][0]["uuid"]
+    rows.append(_row("cuda-restore", None, driver, lambda: pipeline.restore(
+        pipeline.CriuRunner(config.criu), request(stop_img, device_map=((old, ABSENT_GPU),)), config)))
+    try:
+        image.verify(str(stop_img))
+        rows[-1]["image_whole_after"] = True
+    except SnapguardError as e:
+        rows[-1]["image_whole_after"] = e.reason.name
+    t_restore = time.time()
+    restored: dict[str, Any] = {}
+
+    def restore() -> dict[str, Any]:
+        restored.update(pipeline.restore(pipeline.CriuRunner(config.criu), request(stop_img), config))
+        return restored
+
+    rows.append(_row("restore", None, driver, restore))
+    verdict: dict[str, Any] = {"bit_identical": False}
+    if restored.get("pid"):
+        run.restored_pid = restored["pid"]
+        first = run.first_step_after(t_restore)
+        rows[-1]["restore_to_first_new_step_s"] = first[2] - t_restore
+        result = run.wait_done(timeout=600, pid=restored["pid"])
+        verdict = compare(ref, run, ref_result, result)
+    # cuda-lock: the driver may answer a second lock as an error or take it; either way the
+    # process must be left running
+    expected = {"cuda-lock": ("refused", "ok"), "page-dump": ("refused",), "criu-killed": ("refused",),
+                "criu-hang": ("refused",), "seal": ("refused",), "stop": ("ok",), "cuda-restore": ("refused",),
+                "restore": ("ok",)}
+    checks = {r["row"]: r["outcome"] in expected[r["row"]] and r.get("state_after", "running") == "running"
+              and r.get("workload_intact", True) is not False for r in rows}
+    report = {"steps": steps, "rows": rows, "checks": checks, **verdict,
+              "stat_mode_of_stop_image": oct(stat.S_IMODE(os.stat(stop_img).st_mode))}
     (out / "faults.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(json.dumps(report, indent=1, default=str))
-    ok = verdict["bit_identical"] and all(f.get("state_after") == "running" for f in faults)
-    print("faults:", "PASS" if ok else "FAIL")
+    print(f"{'row':<13} {'outcome':<8} {'reason':<24} {'state after':<12} {'seconds':>7}")
+    for r in rows:
+        print(f"{r['row']:<13} {r['outcome']:<8} {r.get('reason', '-'):<24} {r.get('state_after', '-'):<12} "
+              f"{r['seconds']:7.2f}")
+    ok = verdict["bit_identical"] and all(checks.values())
+    print("faults:", "PASS" if ok else "FAIL", json.dumps(checks))
     return 0 if ok else 1
 
 
