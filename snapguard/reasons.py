@@ -111,6 +111,9 @@ class Reason(enum.Enum):
                          "restore the file as it was or open it O_APPEND")
     FILE_MISSING = _Meta("a file the image depends on is missing on this host", R, True,
                          "provide the file at the same path")
+    AMX_STATE_UNSUPPORTED = _Meta("a process may use Intel AMX, whose state and permission CRIU does not restore", P, True,
+                                  "start the workload with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (CPU bf16 stays "
+                                  "off AMX), or restore only snapshots of processes that never ran AMX code")
     SECCOMP_BLOCKED = _Meta("a seccomp filter would block CRIU", P, True, "run the workload without seccomp")
     INTERPOSER_PRESENT = _Meta("a library interposer is preloaded (LD_PRELOAD or /etc/ld.so.preload)", P, True,
                                "remove the preload for snapshot-able workloads")

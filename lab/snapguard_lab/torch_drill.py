@@ -41,6 +41,14 @@ __all__ = ["DEFAULT_TORCH_ARMS", "TORCH_ARMS", "TRAIN", "Trainer", "compare", "r
 TRAIN = workloads.path("torch", "train.py")
 
 
+# Every trainer's environment. oneDNN (PyTorch's CPU matmuls: the trainer's bf16 autocast with
+# --device cpu) runs Intel AMX tile instructions where the CPU has them, after asking the kernel for
+# AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM). That permission belongs to the process and CRIU
+# (4.2.1: x86 state up to AVX-512 and PKRU) saves neither it nor the tile registers: a process it
+# restores is killed with SIGILL at its next AMX instruction, before its next step. Capped below
+# AMX, every arm and the reference alike, so their loss bits still compare.
+TRAINER_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
 @dataclass
 class Trainer:
     """One run of the torch workload's train.py, started in its own session, logging to files."""
@@ -67,7 +75,7 @@ class Trainer:
         for stale in (self.log, self.result, self.workdir / f"{self.name}.out"):
             if stale.exists():
                 raise RuntimeError(f"{stale} exists: a drill needs a fresh working directory")
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **TRAINER_ENV, **self.env}
         if self.trimmed and take_dir:
             # the take point: no change to the trainer, only its environment
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [site_dir(), product_root(),
@@ -307,6 +315,7 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     repo = product_root()
     devices = [d for d in sorted(glob.glob("/dev/nvidia*")) if stat.S_ISCHR(os.stat(d).st_mode)]
     env = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(CONTAINER_ENV_PREFIXES)]
+    env += [f"{k}={v}" for k, v in TRAINER_ENV.items()]
     env += ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "PYTHONUNBUFFERED=1",
             f"PYTHONPATH={site_dir()}:{repo}", "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
     args = [sys.executable, str(TRAIN), "--steps", str(steps), "--log", "/out/container.log",

@@ -170,6 +170,31 @@ def check_host_memory(inv: Inventory, proc: str | None = None) -> list[Finding]:
     return findings
 
 
+ONEDNN_LIB = re.compile(r"/(libtorch_cpu|libdnnl|libmkldnn)[^/]*\.so")
+AMX_FREE_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                 "AVX512_CORE_BF16", "AVX512_CORE_FP16")
+
+
+def check_amx(inv: Inventory, cpu_flags: list[str]) -> list[Finding]:
+    """Intel AMX: oneDNN (PyTorch's CPU matmuls in bf16) uses it where the CPU has it, after the
+    kernel grants the process AMX permission. CRIU 4.2.1 restores neither that permission nor the
+    tile registers: the restored process dies with SIGILL at its next AMX instruction. Noted for
+    processes that load oneDNN on such a CPU without capping its ISA below AMX."""
+    if "amx_tile" not in cpu_flags:
+        return []
+    findings = []
+    for p in inv.procs:
+        if not any(ONEDNN_LIB.search(m) for m in p.mapped_paths):
+            continue
+        if p.env.get("ONEDNN_MAX_CPU_ISA", "").upper() in AMX_FREE_ISAS:
+            continue
+        findings.append(Finding(Reason.AMX_STATE_UNSUPPORTED,
+                                f"pid {p.pid} ({p.comm}) loads oneDNN on a CPU with AMX: if it ran AMX code "
+                                "(bf16 matmuls on the CPU), its restored process dies with SIGILL",
+                                Severity.WARNING, {"pid": p.pid, "comm": p.comm}))
+    return findings
+
+
 def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, proc: str | None = None,
                trainers: dict[int, dict[str, Any]] | None = None) -> None:
     """All workload checks; `trainers`: take-point status of the pids that run the hook."""
@@ -185,3 +210,5 @@ def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, pr
     report.run("seccomp", lambda: check_seccomp(inv))
     report.run("interposers", lambda: check_interposers(inv, proc))
     report.run("host-memory", lambda: check_host_memory(inv, proc))
+    cpu_flags = (report.facts.get("host") or {}).get("cpu", {}).get("flags", [])
+    report.run("amx", lambda: check_amx(inv, cpu_flags))

@@ -198,3 +198,18 @@ def test_nccl_group_reported_by_the_take_point(gpu_proc: Path) -> None:
     assert workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": False}}) == []
     (f,) = workload.check_multi_cuda(inv, {100: {"trainer": True, "nccl": True}})
     assert f.reason is Reason.NCCL_UNSUPPORTED and "cannot checkpoint" in f.detail
+
+
+def test_amx_noted_for_onednn_users_without_a_cap(gpu_proc: Path) -> None:
+    """CRIU restores neither AMX permission nor tile state: oneDNN users on an AMX CPU are noted,
+    unless their ISA is capped below AMX; no AMX, no note."""
+    torch_cpu = "/opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so"
+    root = gpu_proc.parent / "amxproc"
+    _fake_proc(root, 300, "trainer", [torch_cpu], [])
+    _fake_proc(root, 301, "capped", [torch_cpu], [], env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    _fake_proc(root, 302, "shell", ["/usr/bin/bash"], [])
+    inv = procfs.inventory([300, 301, 302], proc=str(root))
+    (f,) = workload.check_amx(inv, ["avx512f", "amx_tile", "amx_bf16"])
+    assert f.reason is Reason.AMX_STATE_UNSUPPORTED and f.evidence["pid"] == 300
+    assert f.severity is Severity.WARNING
+    assert workload.check_amx(inv, ["avx512f"]) == []
