@@ -169,25 +169,41 @@ def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
             raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
                                  evidence=evidence, warnings=warnings)
         gpu_facts = report.facts.get("gpu")
-        with steps.step("seal", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
-            manifest = image.seal(req.image_dir, {
-                **runner.identity(),
-                "leave_running": req.leave_running,
-                "own_netns": own_netns,
-                "network_lock": network_lock,
-                "tcp_connections": len(conns),
-                "criu_version": report.facts["criu_version"],
-                "host": report.facts["host"],
-                "processes": inv.summary(),
-                "take_point": {str(p): f for p, f in figures.items()},
-                "gpu": preflight.gpu.image_gpu_facts(gpu_facts, inv.pids) if gpu_facts and cuda_pids else None,
-            })
+        try:
+            with steps.step("seal", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
+                manifest = _seal(req, runner, report, inv, figures, own_netns, network_lock, conns, cuda_pids,
+                                 gpu_facts)
+        except SnapguardError as e:
+            # a stop snapshot's workload is gone with CRIU's dump: its unmarked image is all there is
+            e.failure.workload_intact = req.leave_running and alive(pid)
+            e.failure.evidence.setdefault("image", req.image_dir)
+            e.failure.evidence["image_marked"] = False
+            e.failure.warnings = warnings
+            raise
     return _record({
         "operation": "checkpoint", **runner.identity(), "pid": pid, "image": req.image_dir,
         "leave_running": req.leave_running, "network_lock": network_lock, "cuda_pids": cuda_pids,
         "image_bytes": manifest["image_bytes"], "files": len(manifest["files"]), "take_point": figures,
         "warnings": [w.to_dict() for w in warnings],
     }, steps, log)
+
+
+def _seal(req: Request, runner: Runner, report: preflight.Report, inv: procfs.Inventory,
+          figures: dict[int, Any], own_netns: bool, network_lock: str | None, conns: list[dict[str, Any]],
+          cuda_pids: list[int], gpu_facts: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's fields, hashed files and, last, the completion marker."""
+    return image.seal(req.image_dir, {
+        **runner.identity(),
+        "leave_running": req.leave_running,
+        "own_netns": own_netns,
+        "network_lock": network_lock,
+        "tcp_connections": len(conns),
+        "criu_version": report.facts["criu_version"],
+        "host": report.facts["host"],
+        "processes": inv.summary(),
+        "take_point": {str(p): f for p, f in figures.items()},
+        "gpu": preflight.gpu.image_gpu_facts(gpu_facts, inv.pids) if gpu_facts and cuda_pids else None,
+    })
 
 
 def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
