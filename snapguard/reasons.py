@@ -139,6 +139,8 @@ class Reason(enum.Enum):
                                "the snapshot went on with the allocator's whole reserve; check the hook is loaded")
 
     # GPU identity and capacity
+    GPU_DRIVER_MISSING = _Meta("no NVIDIA driver is loaded on this node", P, True,
+                               "load the NVIDIA driver (and wait for it at boot) before snapshotting GPU work")
     DRIVER_TOO_OLD = _Meta("the NVIDIA driver has no cuCheckpointProcess* API", P, True, "install driver 555 or newer")
     DRIVER_VERSION_MISMATCH = _Meta("the image was taken under another NVIDIA driver", R, True,
                                     "restore on a host with the same driver")

@@ -3,6 +3,10 @@
 Public API: `node_report`, `pid_report`, `container_report`, `manifest_report`, each returning a
 `Report` whose `exit_code` is 0 (ready), 1 (blocked) or 2 (could not check); and the building
 blocks the snapshot pipeline runs itself, `host_checks` and `workload_checks`.
+
+A node report is scoped by capability (`CAPABILITIES`: host-netns-containers, own-netns-containers,
+bare-processes, gpu, tcp-carry): each is ready or blocked by the checks it needs, and the exit
+status follows the capabilities in `require` (default: `default_requirements()`).
 """
 
 from __future__ import annotations
@@ -14,15 +18,19 @@ from .. import image, procfs, runc
 from ..config import Config
 from ..reasons import Finding, Reason, SnapguardError
 from . import gpu, host
+from ._report import CAPABILITIES as CAPABILITIES
+from ._report import CAPABILITY_NAMES as CAPABILITY_NAMES
 from ._report import EXIT_BLOCKED as EXIT_BLOCKED
 from ._report import EXIT_READY as EXIT_READY
 from ._report import EXIT_UNCHECKED as EXIT_UNCHECKED
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
+from ._report import check_error_message as check_error_message
 from .workload import run_checks as workload_checks
 
-__all__ = ["EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult", "Report", "container_report",
-           "host_checks", "manifest_report", "node_report", "pid_report", "workload_checks"]
+__all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
+           "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
+           "manifest_report", "node_report", "pid_report", "workload_checks"]
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
@@ -49,10 +57,32 @@ def _driver_checks(report: Report) -> list[Finding]:
     return gpu.check_driver(facts, find_libcuda())
 
 
-def node_report(config: Config) -> Report:
-    report = Report("--node")
+def default_requirements() -> tuple[str, ...]:
+    """What containerd's snapshots of GPU training containers need: containers in the host's
+    network namespace, and the GPU where the node has an NVIDIA driver."""
+    if os.path.exists(gpu.NVIDIA_DRIVER):
+        return ("host-netns-containers", "gpu")
+    return ("host-netns-containers",)
+
+
+def node_report(config: Config, require: tuple[str, ...] | list[str] | None = None) -> Report:
+    """This host, per capability; the exit status follows `require` (names of CAPABILITIES;
+    None: `default_requirements()`). Every node check runs whatever is required, so the report
+    says what the node can do besides."""
+    required = default_requirements() if require is None else tuple(dict.fromkeys(require))
+    unknown = [r for r in required if r not in CAPABILITY_NAMES]
+    if unknown:
+        raise SnapguardError(Reason.USAGE_ERROR, f"unknown capability {', '.join(unknown)}; "
+                             f"known: {', '.join(CAPABILITY_NAMES)}")
+    report = Report("--node", required=required)
     host_checks(report, config, gpu_required=os.path.exists(gpu.NVIDIA_DRIVER))
+    report.run("runc", lambda: host.check_runc(config.runc, report.facts))
     report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.facts.get("gpu")))
+    driver = next(c for c in report.checks if c.name == "nvidia-driver")
+    if not driver.error and report.facts.get("gpu") is None:
+        report.capability_blockers["gpu"] = [Finding(
+            Reason.GPU_DRIVER_MISSING, f"no NVIDIA driver is loaded on this node ({gpu.NVIDIA_DRIVER} is absent)",
+            evidence={"path": gpu.NVIDIA_DRIVER})]
     return report
 
 
@@ -75,7 +105,7 @@ def _unchecked_or_blocked(name: str, e: SnapguardError) -> CheckResult:
     """A target that is not there could not be checked (exit 2); one CRIU cannot take (a kernel
     thread, a zombie, a thread id) is a typed blocker (exit 1)."""
     if e.reason in (Reason.PROCESS_NOT_FOUND, Reason.CONTAINER_NOT_FOUND):
-        return CheckResult(name, error=e.failure.detail)
+        return CheckResult(name, error=e.failure.detail, error_reason=e.reason)
     return CheckResult(name, findings=[Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)])
 
 

@@ -8,7 +8,8 @@ from .. import criu
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
 from ..reasons import Finding, Reason, Severity
 
-__all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "IPTABLES_RESTORE"]
+__all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
+           "IPTABLES_RESTORE"]
 
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
 NVIDIA_DRIVER = "/proc/driver/nvidia/version"
@@ -49,6 +50,31 @@ def check_criu(path: str, state_dir: str | None, facts: dict[str, object]) -> li
         errors = [str(e) for e in criu.extract_errors(output)] or output.splitlines()[-3:]
         return [Finding(Reason.CRIU_CHECK_FAILED, f"`criu check` failed: {'; '.join(errors)}",
                         evidence={"path": path, "output": output[-4000:]})]
+    return []
+
+
+def check_runc(path: str, facts: dict[str, object]) -> list[Finding]:
+    """The pinned runc, which runs CRIU for containers: root's alone, and it runs (`runc --version`)."""
+    import subprocess
+
+    problem = check_pinned_binary(path, "runc")
+    if problem:
+        return [Finding(Reason.RUNC_UNUSABLE, problem, evidence={"path": path})]
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False,
+                             stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired:
+        return [Finding(Reason.RUNC_UNUSABLE, f"`{path} --version` did not answer in 10 s", evidence={"path": path})]
+    except OSError as e:
+        return [Finding(Reason.RUNC_UNUSABLE, f"`{path} --version` did not start: {e.strerror}",
+                        evidence={"path": path})]
+    said = (out.stdout.strip() or out.stderr.strip()).splitlines()
+    if out.returncode != 0:
+        err = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        return [Finding(Reason.RUNC_UNUSABLE, f"`{path} --version` exited {out.returncode}: "
+                        f"{err[0][:300] if err else 'it printed nothing'}", evidence={"path": path})]
+    if said:
+        facts["runc_version"] = said[0].removeprefix("runc version ").strip()
     return []
 
 
