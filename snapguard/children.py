@@ -58,13 +58,14 @@ def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Ma
 
 
 def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason,
-                 env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+                 env: Mapping[str, str] | None = None,
+                 start_reason: Reason | None = None) -> subprocess.CompletedProcess[str]:
     """Run argv with its output captured (text, undecodable bytes replaced) within timeout_s."""
     try:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", process_group=0)
     except OSError as e:
-        raise _start_error(argv, what, e, reason) from None
+        raise _start_error(argv, what, e, start_reason or reason) from None
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -13,11 +13,16 @@ __all__ = ["runc_args"]
 
 
 def runc_args(args: list[str], opts: GlobalOptions, config: Config) -> list[str]:
-    """runc's argv (without argv[0]): containerd's, unchanged, plus the pinned CRIU when the caller
-    named none. A CRIU the caller names must be the root-owned binary itself, by an absolute path
+    """runc's argv (without argv[0]): containerd's, unchanged, plus `--criu` with the pinned CRIU
+    when the caller named none and runc is older than 1.2 (newer runc finds CRIU through PATH
+    only, which the run directory pins, and 1.4 refuses the flag). A CRIU the caller names must be the root-owned binary itself, by an absolute path
     with no link on the way, so that what is checked here is what runc runs; it then replaces the
     pinned one for this run (preflight checks it)."""
+    from .. import runc
+
     if not opts.criu:
+        if runc.version(config.runc, config.state_dir) >= runc.CRIU_BY_PATH:
+            return list(args)  # CRIU by PATH only: the run directory's bin/ pins it
         return ["--criu", config.criu, *args]
     evidence = {"path": opts.criu}
     if not os.path.isabs(opts.criu):
