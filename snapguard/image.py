@@ -378,6 +378,9 @@ def _open_image_dir(image_dir: str) -> tuple[int, str]:
         if e.missing:
             raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir} does not exist",
                                  evidence=evidence) from None
+        if e.unusable:  # not a directory, name too long, a link loop: no image directory at all
+            raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir}: {e.why}",
+                                 evidence={"image": image_dir, "path": e.path}) from None
         raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={"image": image_dir, "path": e.path}) from None
     path = os.path.join(parent, base)
     evidence["path"] = path

@@ -26,6 +26,7 @@ import os
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,6 +58,20 @@ def _criu_children() -> list[int]:
     return found
 
 
+def _state(driver: Any, pid: int) -> str:
+    """The CUDA state of pid, or what became of the process (a stop snapshot kills it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return "gone"
+    except OSError:
+        return "gone"
+    try:
+        return str(driver.state(pid))
+    except cuda.CudaError as e:
+        return f"error: {e}"
+
+
 def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
     t0 = time.monotonic()
     row: dict[str, Any] = {"row": name}
@@ -67,10 +82,11 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
         f = e.failure
         row.update(outcome="refused", reason=f.reason.name, detail=f.detail, workload_intact=f.workload_intact,
                    cuda_recovery=f.evidence.get("cuda_recovery"),
+                   restored_tree_ended=f.evidence.get("restored_tree_ended"),
                    criu_errors=[x["message"] for x in f.evidence.get("errors", [])][:2])
     row["seconds"] = time.monotonic() - t0
     if pid is not None:
-        row["state_after"] = driver.state(pid) if os.path.exists(f"/proc/{pid}") else "gone"
+        row["state_after"] = _state(driver, pid)
     print(json.dumps(row, default=str), flush=True)
     return row
 
@@ -78,9 +94,7 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
 def main() -> int:
     out = Path(sys.argv[1])
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
-    base = Path("/tmp/faults")
-    base.mkdir(parents=True, exist_ok=False)
-    os.chmod(base, 0o700)
+    base = Path(tempfile.mkdtemp(prefix="faults-", dir="/tmp"))  # 0700, fresh on a machine kept warm
     config = load()
     ref = Trainer(base, "reference", steps)
     ref.start()
@@ -117,20 +131,25 @@ def main() -> int:
     run.wait_step(60)
 
     def killer() -> None:
+        # the executor checkpoints the GPU state before CRIU starts: kill CRIU as soon as it runs
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if driver.state(pid) == "checkpointed":
-                for criu_pid in _criu_children():
+            running = _criu_children()
+            if running and driver.state(pid) == "checkpointed":
+                time.sleep(0.3)  # into its dump
+                for criu_pid in running:
                     os.kill(criu_pid, signal.SIGKILL)
-                if _criu_children() == []:
-                    time.sleep(0.05)
+                killed.append(running)
                 return
             time.sleep(0.002)
+
+    killed: list[list[int]] = []
 
     t = threading.Thread(target=killer)
     t.start()
     rows.append(_row("criu-killed", pid, driver, lambda: checkpoint(base / "killed.img", leave_running=True)))
     t.join()
+    rows[-1]["criu_killed"] = killed
 
     # criu-hang: a CRIU that never finishes its dump; snapguard's deadline (10 x criu_timeout_s)
     run.wait_step(80)
@@ -188,8 +207,14 @@ def main() -> int:
     expected = {"cuda-lock": ("refused", "ok"), "page-dump": ("refused",), "criu-killed": ("refused",),
                 "criu-hang": ("refused",), "seal": ("refused",), "stop": ("ok",), "cuda-restore": ("refused",),
                 "restore": ("ok",)}
-    checks = {r["row"]: r["outcome"] in expected[r["row"]] and r.get("state_after", "running") == "running"
-              and r.get("workload_intact", True) is not False for r in rows}
+    after = {"stop": "gone"}  # CRIU ends the stopped trainer; every other row leaves it running
+    checks = {r["row"]: r["outcome"] in expected[r["row"]]
+              and r.get("state_after", after.get(r["row"], "running")) == after.get(r["row"], "running")
+              and (r.get("workload_intact", True) is not False or r["row"] == "cuda-restore") for r in rows}
+    # the refused restore ends what CRIU brought back and leaves the image whole for the retry
+    cuda_restore = next(r for r in rows if r["row"] == "cuda-restore")
+    checks["cuda-restore"] = checks["cuda-restore"] and cuda_restore.get("image_whole_after") is True \
+        and cuda_restore.get("restored_tree_ended") is True
     report = {"steps": steps, "rows": rows, "checks": checks, **verdict,
               "stat_mode_of_stop_image": oct(stat.S_IMODE(os.stat(stop_img).st_mode))}
     (out / "faults.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -51,7 +51,12 @@ def write_record(work_dir: str, record: dict[str, Any], *, create: bool = False)
 
     path = os.path.join(work_dir, RESULT_NAME)
     if create and not os.path.lexists(work_dir):
-        ensure_private_dir(work_dir)
+        from ..trust import UntrustedPathError
+
+        try:
+            ensure_private_dir(work_dir)
+        except UntrustedPathError:
+            return None  # under a directory others control, or unusable: no record there
     try:
         st = os.lstat(work_dir)
     except OSError:

@@ -8,7 +8,9 @@ Everything else, before and after, is the one sequence in `_sequence`.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any, Protocol
 
 from .. import children, procfs, runc
@@ -38,6 +40,10 @@ class Runner(Protocol):
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int: ...
 
     def restored_pid(self, req: Request) -> int: ...
+
+    def failure_detail(self) -> str | None: ...
+
+    def discard(self, pid: int) -> bool: ...
 
 
 class CriuRunner:
@@ -75,6 +81,13 @@ class CriuRunner:
         return children.run(options.restore_argv(self.criu, pidfile), env=env, timeout_s=req.timeouts.run_s,
                             what="criu restore", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING)
 
+    def failure_detail(self) -> str | None:
+        return None  # CRIU's own log says why it failed
+
+    def discard(self, pid: int) -> bool:
+        """End a restored tree that is not the workload; whether it is gone."""
+        return end_tree(pid)
+
     def restored_pid(self, req: Request) -> int:
         pidfile = req.path(RESTORED_PIDFILE)
         try:
@@ -92,13 +105,16 @@ class RuncRunner:
     uses_host_pids = False
 
     def __init__(self, runc_path: str, args: list[str], *, root: str | None, container_id: str,
-                 pid_file: str | None = None) -> None:
+                 pid_file: str | None = None, log: str | None = None, log_format: str = "text") -> None:
         self.runc = runc_path
         self.args = args
         self.root = root
         self.container_id = container_id
         self.pid_file = pid_file
         self.status_before: str | None = None
+        self.log = log  # runc's --log: where runc says why it failed when CRIU never ran
+        self.log_format = log_format
+        self._log_offset = 0
 
     def describe(self) -> str:
         return f"container {self.container_id}"
@@ -116,6 +132,10 @@ class RuncRunner:
         return int(state["pid"])
 
     def _run(self, req: Request, env: dict[str, str], verb: str) -> int:
+        try:
+            self._log_offset = os.stat(self.log).st_size if self.log else 0
+        except OSError:
+            self._log_offset = 0
         # containerd hands runc the container's stdio and sockets by fd inheritance
         return children.run([self.runc, *self.args], env=env, timeout_s=req.timeouts.run_s, what=f"runc {verb}",
                             reason=Reason.RUNC_TIMEOUT, start_reason=Reason.RUNC_UNUSABLE, inherit_fds=True)
@@ -134,7 +154,67 @@ class RuncRunner:
                          timeout_s=30, what="runc resume", reason=Reason.RUNC_TIMEOUT)
 
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
-        return self._run(req, env, "restore")
+        existed = self._exists()
+        try:
+            return self._run(req, env, "restore")
+        except SnapguardError:
+            # the deadline passed and runc was killed half way: it leaves the container's state
+            # directory (no state.json yet), and runc refuses the id until it is deleted
+            if not existed:
+                self._delete_leftover()
+            raise
+
+    def discard(self, pid: int) -> bool:
+        """End a restored container that is not the workload, and free its id."""
+        prefix = [self.runc, *(["--root", self.root] if self.root else [])]
+        for verb in (["kill", self.container_id, "KILL"], ["delete", "--force", self.container_id]):
+            try:
+                children.run([*prefix, *verb], timeout_s=30, what=f"runc {verb[0]}", reason=Reason.RUNC_TIMEOUT)
+            except SnapguardError:
+                pass
+        return end_tree(pid)
+
+    def _exists(self) -> bool:
+        try:
+            runc.state(self.runc, self.root, self.container_id)
+        except SnapguardError:
+            return False
+        return True
+
+    def _delete_leftover(self) -> None:
+        """`runc delete --force`: runc 1.1 removes a state directory without state.json too."""
+        try:
+            children.run([self.runc, *(["--root", self.root] if self.root else []), "delete", "--force",
+                          self.container_id], timeout_s=30, what="runc delete", reason=Reason.RUNC_TIMEOUT)
+        except SnapguardError:
+            pass
+
+    def failure_detail(self) -> str | None:
+        """runc's last error of this run, from its --log: why it failed where CRIU never ran
+        (CRIU not startable, its version check failed) is only there."""
+        if not self.log:
+            return None
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read(64 << 10).decode("utf-8", "replace")
+        except OSError:
+            return None
+        said = []
+        for line in text.splitlines():
+            if self.log_format == "json":
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and entry.get("level") == "error":
+                    said.append(str(entry.get("msg", "")))
+            else:
+                m = re.search(r'level=error msg=("(?:[^"\\]|\\.)*")', line)
+                if m:
+                    said.append(json.loads(m.group(1)))
+        said = [m for m in said if not m.startswith("snapguard ")]
+        return f"runc: {' '.join(said[-1].split())[:400]}" if said else None
 
     def restored_pid(self, req: Request) -> int:
         if self.pid_file:
@@ -145,6 +225,28 @@ class RuncRunner:
             except (OSError, ValueError):
                 pass
         return int(runc.state(self.runc, self.root, self.container_id)["pid"])
+
+
+def end_tree(pid: int, wait_s: float = 10.0) -> bool:
+    """SIGKILL a process tree, leaves first; whether every process is gone (or a zombie) in time."""
+    import signal
+    import time
+
+    try:
+        pids = procfs.process_tree(pid)
+    except SnapguardError:
+        return True
+    for p in reversed(pids):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all(not alive(p) for p in pids):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def log_path(req: Request, restore: bool) -> str:

@@ -44,6 +44,9 @@ class _Steps:
         try:
             yield
         except UntrustedPathError as e:
+            if e.unusable:  # missing, not a directory, name too long: not a matter of who controls it
+                raise SnapguardError(reason, f"{name}: {e}",
+                                     evidence={**evidence, "step": name, "path": e.path}) from None
             raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={**evidence, "path": e.path}) from None
         except (OSError, ValueError) as e:
             detail = f"{e.strerror or e}: {e.filename}" if isinstance(e, OSError) and e.filename else \
@@ -123,6 +126,10 @@ def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
         cuda_pids = [p.pid for p in inv.cuda_processes()]
     with _claimed(config, tree, req.image_dir):
         with steps.step("image_dir", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
+            if os.path.islink(req.image_dir):  # seal refuses it, but only after CRIU dumped through it
+                raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {req.image_dir} is a symlink: "
+                                     "snapguard never follows one into an image; name the directory itself",
+                                     evidence={"image": req.image_dir})
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
@@ -162,7 +169,8 @@ def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
             raise failure
         if rc != 0:
             quoted, errors = _criu_errors(log)
-            raise SnapguardError(Reason.CRIU_DUMP_FAILED, quoted or f"exit {rc}, no CRIU error in {log}",
+            raise SnapguardError(Reason.CRIU_DUMP_FAILED,
+                                 quoted or runner.failure_detail() or f"exit {rc}, no CRIU error in {log}",
                                  workload_intact=alive(pid) and not wedged,
                                  evidence={**evidence, "exit": rc, "errors": errors}, warnings=warnings)
         if wedged:
@@ -270,7 +278,7 @@ def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
     """Restore req.image_dir through the runner; a result record, or SnapguardError."""
     steps = _Steps()
     with steps.step("preflight", Reason.PREFLIGHT_FAILED, image=req.image_dir):
-        report = preflight.manifest_report(req.image_dir, config, criu=config.criu)
+        report = preflight.manifest_report(req.image_dir, config, criu=config.criu, exact=True)
         manifest = report.facts.get("manifest")
         if manifest is not None and runner.uses_host_pids:
             report.run("pid-conflicts", lambda: _pid_conflicts(manifest))
@@ -290,12 +298,27 @@ def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
             rc = runner.restore(req, options, run_dir.environment(options, device_map))
         if rc != 0:
             quoted, errors = _criu_errors(log)
-            raise SnapguardError(Reason.CRIU_RESTORE_FAILED, quoted or f"exit {rc}, no CRIU error in {log}",
+            raise SnapguardError(Reason.CRIU_RESTORE_FAILED,
+                                 quoted or runner.failure_detail() or f"exit {rc}, no CRIU error in {log}",
                                  evidence={"image": req.image_dir, "exit": rc, "log": log, "errors": errors},
                                  warnings=report.warnings)
         with steps.step("confirm", Reason.CRIU_RESTORE_FAILED):
             pid = runner.restored_pid(req)
-            states = _check_restored(manifest, pid)
+            root_pid = manifest.get("root_pid")
+            if runner.uses_host_pids and isinstance(root_pid, int) and pid != root_pid:
+                raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"CRIU exited 0 naming pid {pid}, but a bare "
+                                     f"restore brings the image's root back as pid {root_pid}",
+                                     workload_intact=False, evidence={"pid": pid, "root_pid": root_pid})
+            try:
+                states = _check_restored(manifest, pid)
+            except SnapguardError as e:
+                # CRIU said it restored, but what runs is not the workload (a CUDA process left
+                # checkpointed, a root gone): it is ended, so that the whole image can be restored
+                # again or the caller falls back, instead of a broken copy holding the pids and GPU
+                e.failure.evidence["restored_tree_ended"] = runner.discard(pid)
+                e.failure.evidence["image"] = req.image_dir
+                e.failure.warnings = report.warnings
+                raise
         if manifest.get("take_point"):
             # the workload was held at its take point when dumped: let it go on
             take.release_all(take.trainers(procfs.process_tree(pid)))

@@ -123,13 +123,14 @@ def container_report(container_id: str, runc_root: str | None, config: Config) -
     return _tree_report(report, state["pid"], config, False)
 
 
-def manifest_report(path: str, config: Config, criu: str | None = None) -> Report:
+def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False) -> Report:
     """Can this host restore the image whose manifest (or image directory) is at `path`?
 
     The image is verified first (marker, manifest, checksums); its manifest lands in
     `report.facts["manifest"]`.
     """
-    image_dir = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    # `exact`: a restore verifies the very directory CRIU will read, never its parent
+    image_dir = path if exact or os.path.isdir(path) else os.path.dirname(path) or "."
     report = Report(f"--manifest {path}")
     try:
         manifest = image.verify(image_dir)

@@ -17,5 +17,5 @@ def checkpoint(config: Config, args: list[str], opts: GlobalOptions, sub: Subcom
                            tcp_established=sub.flag("tcp-established"),
                            timeouts=pipeline.Timeouts.from_config(config))
     runner = pipeline.RuncRunner(config.runc, runc_args(args, opts, config), root=opts.root,
-                                 container_id=sub.container_id)
+                                 container_id=sub.container_id, log=opts.log, log_format=opts.log_format)
     return pipeline.checkpoint(runner, req, config)

@@ -16,5 +16,5 @@ def restore(config: Config, args: list[str], opts: GlobalOptions, sub: Subcomman
     req = pipeline.Request(sub.image_path, sub.work_path, tcp_established=sub.flag("tcp-established"),
                            timeouts=pipeline.Timeouts.from_config(config))
     runner = pipeline.RuncRunner(config.runc, runc_args(args, opts, config), root=opts.root,
-                                 container_id=sub.container_id, pid_file=sub.value("pid-file"))
+                                 container_id=sub.container_id, log=opts.log, log_format=opts.log_format, pid_file=sub.value("pid-file"))
     return pipeline.restore(runner, req, config)
