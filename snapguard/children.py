@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from .reasons import Reason, SnapguardError
 
-__all__ = ["ChildTimeout", "run", "run_captured"]
+__all__ = ["ChildTimeout", "probe", "run", "run_captured"]
 
 
 class ChildTimeout(SnapguardError):
@@ -73,3 +73,13 @@ def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason
         raise ChildTimeout(reason, f"{what} did not finish within {timeout_s:g} s and was killed",
                            evidence={"argv0": argv[0], "timeout_s": timeout_s}) from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def probe(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | str:
+    """Ask a tool something (`--version`, `check`, `-h`) under a deadline: its completed run, or one
+    line saying why it did not answer (did not start, killed at the deadline with its group)."""
+    what = " ".join(argv[:1] + [a for a in argv[1:2]])
+    try:
+        return run_captured(argv, timeout_s=timeout_s, what=f"`{what}`", reason=Reason.INTERNAL_ERROR)
+    except SnapguardError as e:
+        return e.failure.detail

@@ -12,9 +12,9 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 
+from ..children import probe
 from ..files import ensure_private_dir, write_private_json
 from ..names import DUMP_LOG, RESTORE_LOG
 from ..trust import UntrustedPathError
@@ -61,13 +61,9 @@ class CriuBroken(Exception):
 
 def version(criu: str) -> tuple[int, int, int]:
     """CRIU's version as a tuple; raises CriuBroken with what went wrong when it cannot be read."""
-    try:
-        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10, check=False,
-                             stdin=subprocess.DEVNULL, errors="replace")
-    except subprocess.TimeoutExpired:
-        raise CriuBroken(f"`{criu} --version` did not answer in 10 s") from None
-    except OSError as e:
-        raise CriuBroken(f"`{criu} --version` did not start: {e.strerror}") from None
+    out = probe([criu, "--version"], timeout_s=10)
+    if isinstance(out, str):
+        raise CriuBroken(out)
     m = _VERSION.search(out.stdout)
     if out.returncode != 0 or not m:
         said = (out.stderr.strip() or out.stdout.strip()).splitlines()
@@ -134,11 +130,9 @@ def check(criu: str, state_dir: str | None = None) -> tuple[bool, str]:
     """
     if _read_cache(state_dir, criu).get("check_passed") is True:
         return True, "criu check passed (cached for this boot)"
-    try:
-        out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60, check=False,
-                             stdin=subprocess.DEVNULL, errors="replace")
-    except subprocess.TimeoutExpired:
-        return False, "`criu check` did not finish in 60 s"
+    out = probe([criu, "check"], timeout_s=60)
+    if isinstance(out, str):
+        return False, out
     text = (out.stdout + out.stderr).strip()
     passed = out.returncode == 0
     if passed:

@@ -12,7 +12,8 @@ status follows the capabilities in `require` (default: `default_requirements()`)
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .. import image, procfs, runc
 from ..config import Config
@@ -27,6 +28,8 @@ from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._report import check_error_message as check_error_message
 from .workload import run_checks as workload_checks
+
+T = TypeVar("T")
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
            "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
@@ -48,8 +51,35 @@ def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | 
     report.run("nvidia-driver", lambda: _driver_checks(report))
 
 
+NVML_DEADLINE_S = 30.0
+
+
+def _within(deadline_s: float, what: str, fn: Callable[[], T]) -> T:
+    """fn() in a daemon thread under a deadline: a wedged driver can block NVML calls forever,
+    and the executor must answer containerd (a thread left blocked dies with the process)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=call, name=f"snapguard {what}", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if t.is_alive():
+        raise SnapguardError(Reason.PREFLIGHT_FAILED, f"{what} did not answer within {deadline_s:g} s",
+                             evidence={"deadline_s": deadline_s})
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
+
+
 def _driver_checks(report: Report) -> list[Finding]:
-    report.facts["gpu"] = facts = gpu.gpu_facts()
+    report.facts["gpu"] = facts = _within(NVML_DEADLINE_S, "NVML (the GPU inventory)", gpu.gpu_facts)
     if facts is None:
         return []  # no NVIDIA driver: nothing to check, and nothing of the driver API to load
     from ..cuda import find_libcuda

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import criu
+from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
 from ..reasons import Finding, Reason, Severity
 
@@ -55,19 +56,12 @@ def check_criu(path: str, state_dir: str | None, facts: dict[str, object]) -> li
 
 def check_runc(path: str, facts: dict[str, object]) -> list[Finding]:
     """The pinned runc, which runs CRIU for containers: root's alone, and it runs (`runc --version`)."""
-    import subprocess
-
     problem = check_pinned_binary(path, "runc")
     if problem:
         return [Finding(Reason.RUNC_UNUSABLE, problem, evidence={"path": path})]
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False,
-                             stdin=subprocess.DEVNULL, errors="replace")
-    except subprocess.TimeoutExpired:
-        return [Finding(Reason.RUNC_UNUSABLE, f"`{path} --version` did not answer in 10 s", evidence={"path": path})]
-    except OSError as e:
-        return [Finding(Reason.RUNC_UNUSABLE, f"`{path} --version` did not start: {e.strerror}",
-                        evidence={"path": path})]
+    out = probe([path, "--version"], timeout_s=10)
+    if isinstance(out, str):
+        return [Finding(Reason.RUNC_UNUSABLE, out, evidence={"path": path})]
     said = (out.stdout.strip() or out.stderr.strip()).splitlines()
     if out.returncode != 0:
         err = (out.stderr.strip() or out.stdout.strip()).splitlines()
@@ -113,12 +107,9 @@ def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
 def _cuda_checkpoint_probe(tool: str) -> str | None:
     """The plugin's own probe: `cuda-checkpoint -h` must run and mention --action, or the plugin
     disables itself and a dump "succeeds" without the GPU state."""
-    import subprocess
-
-    try:
-        out = subprocess.run([tool, "-h"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{tool} -h did not run: {e}"
+    out = probe([tool, "-h"], timeout_s=30)
+    if isinstance(out, str):
+        return out
     if "--action" not in out.stdout:
         return f"{tool} -h does not mention --action (exit {out.returncode}): the CUDA plugin would disable itself"
     return None
