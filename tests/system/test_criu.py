@@ -29,18 +29,31 @@ def test_real_criu_version_and_check(tmp_path: Path) -> None:
     assert passed_again and "cached" in out_again
 
 
-def test_prepare_environment_pins_path(tmp_path: Path) -> None:
-    from snapguard.config import load
-    cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path / "state"), "SNAPGUARD_CONFIG": os.devnull})
-    env = criu.prepare_environment(cfg, "/usr/local/sbin/criu")
-    bin_dir = tmp_path / "state" / "bin"
-    assert env["PATH"].split(":")[0] == str(bin_dir)
-    assert os.readlink(bin_dir / "criu") == "/usr/local/sbin/criu"
-    # NVIDIA's is not installed here: snapguard's own stands in
-    assert os.readlink(bin_dir / "cuda-checkpoint").endswith("/snapguard-cuda-checkpoint")
-    assert (bin_dir.stat().st_mode & 0o777) == 0o700
-    assert Path(env["CRIU_CONFIG_FILE"]).read_text() == f"timeout {cfg.criu_timeout_s}\n"
-    assert "LD_PRELOAD" not in env
+def test_run_directory_pins_path_per_run(tmp_path: Path) -> None:
+    from snapguard.config import load, resolve_cuda_checkpoint
+
+    cfg = load({"SNAPGUARD_STATE_DIR": str(tmp_path / "state"), "SNAPGUARD_CONFIG": str(_empty(tmp_path))})
+    options = criu.CriuOptions(images_dir=str(tmp_path), work_dir=str(tmp_path), libdir=cfg.criu_libdir,
+                               timeout_s=cfg.criu_timeout_s, network_lock="skip")
+    with criu.RunDir(cfg.state_dir, "/usr/local/sbin/criu", resolve_cuda_checkpoint(cfg)) as one, \
+            criu.RunDir(cfg.state_dir, "/usr/local/sbin/criu", resolve_cuda_checkpoint(cfg)) as two:
+        assert one.path != two.path, "two runs share a directory in the state dir"
+        env = one.environment(options, base={"LD_PRELOAD": "/tmp/evil.so", "PATH": "/tmp"})
+        bin_dir = Path(one.bin_dir)
+        assert env["PATH"].split(":")[0] == str(bin_dir) and "/tmp" not in env["PATH"].split(":")
+        assert os.readlink(bin_dir / "criu") == "/usr/local/sbin/criu"
+        # NVIDIA's is not installed here: snapguard's own stands in
+        assert os.readlink(bin_dir / "cuda-checkpoint").endswith("/snapguard-cuda-checkpoint")
+        assert (bin_dir.stat().st_mode & 0o777) == 0o700 and (Path(one.path).stat().st_mode & 0o777) == 0o700
+        assert Path(env["CRIU_CONFIG_FILE"]).read_text() == f"timeout {cfg.criu_timeout_s}\nnetwork-lock skip\n"
+        assert "LD_PRELOAD" not in env
+    assert not os.path.exists(one.path) and not os.path.exists(two.path)
+
+
+def _empty(tmp_path: Path) -> Path:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return cfg
 
 
 def test_log_marks_first_of_each_and_end(tmp_path: Path) -> None:
