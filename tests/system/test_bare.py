@@ -12,18 +12,8 @@ from pathlib import Path
 import pytest
 
 from snapguard import image
+from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
-
-COUNTER = """
-import sys, time
-i = h = 0
-while True:
-    i += 1
-    h = (h * 31 + i) % 1000000007
-    with open(sys.argv[1], "a") as f:
-        f.write(f"{i} {h}\\n")
-    time.sleep(0.01)
-"""
 
 
 def snapguard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
