@@ -49,6 +49,15 @@ def write_record(work_dir: str, record: dict[str, Any], *, create: bool = False)
 
     from ..files import ensure_private_dir
 
+    if os.path.islink(work_dir):
+        # containerd's shim passes <bundle>/work, a symlink into its root-only state: followed only
+        # when it and every hop are root's alone, as ensure_private_dir does
+        from ..trust import UntrustedPathError, resolve_trusted
+
+        try:
+            work_dir = resolve_trusted(work_dir, "dir")
+        except UntrustedPathError:
+            return None
     path = os.path.join(work_dir, RESULT_NAME)
     if create and not os.path.lexists(work_dir):
         from ..trust import UntrustedPathError
