@@ -56,6 +56,9 @@ class Reason(enum.Enum):
                            "fix /etc/snapguard/config.toml (or $SNAPGUARD_CONFIG)")
     RUNC_UNUSABLE = _Meta("the pinned real runc is missing, not executable or not root-owned", U, True,
                           "install runc and point `runc` in the config at it")
+    RUNTIME_PAIRING_UNTESTED = _Meta("this containerd and runc are a pairing known to misbehave or not tested together",
+                                     P, True, "install the runc containerd's docs/RUNC.md names for its version "
+                                     "(packaging/install-deps.sh installs tested pairs)")
     INSUFFICIENT_PRIVILEGE = _Meta("not running with the privileges CRIU needs", P, True,
                                    "run as root with CAP_SYS_ADMIN and CAP_SYS_PTRACE")
     CONTAINER_NOT_FOUND = _Meta("runc does not know the container or it is not running", P, True,

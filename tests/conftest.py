@@ -2,6 +2,11 @@
 
 containerd passes its environment to the shim and so to snapguard-runc: SNAPGUARD_CONFIG points
 at a file the tests rewrite to change what the executor sees (a missing CRIU, say).
+
+The `containerd` fixture runs on each stack of testbed.STACKS: Debian 12's containerd 1.6 and
+runc 1.1 ("debian12"), and Debian unstable's containerd 2.1 and runc 1.3 that
+packaging/install-deps.sh unpacks in /opt/snapguard/compat ("compat"). One containerd per stack
+for the session.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.testbed import Containerd
+from snapguard_lab.testbed import COMPAT, Containerd
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,13 +51,18 @@ def clean_config(config_file: Path) -> Iterator[Path]:
     config_file.write_text("")
 
 
-@pytest.fixture(scope="session")
-def containerd(tmp_path_factory: pytest.TempPathFactory, config_file: Path) -> Iterator[Containerd]:
+@pytest.fixture(scope="session", params=["debian12", "compat"])
+def containerd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               config_file: Path) -> Iterator[Containerd]:
+    stack = request.param
     if os.geteuid() != 0:
         pytest.fail("the containerd tests need root (CI and the README's test command run as root)")
-    ctd = Containerd(str(tmp_path_factory.mktemp("containerd")),
+    if stack == "compat" and not os.path.isdir(COMPAT):
+        pytest.skip(f"{COMPAT} is absent: packaging/install-deps.sh unpacks containerd 2.1.9 and runc 1.3.6 there")
+    ctd = Containerd(str(tmp_path_factory.mktemp(f"containerd-{stack}")),
                      env={"SNAPGUARD_CONFIG": str(config_file),
-                          "SNAPGUARD_STATE_DIR": str(tmp_path_factory.mktemp("state"))})
+                          "SNAPGUARD_STATE_DIR": str(tmp_path_factory.mktemp(f"state-{stack}"))},
+                     stack=stack)
     ctd.start()
     try:
         ctd.import_counter_image()

@@ -5,7 +5,7 @@ Two variants on the counter workload (package data, `workloads/counter`):
   running; it is then killed, and `ctr containers restore --live` brings the snapshot back.
 - exit: `ctr tasks checkpoint --exit --image-path` stops the container as it is dumped; the image is
   restored through `snapguard-runc restore` into the same bundle (containerd 1.6's ctr cannot restore
-  from an image path).
+  from an image path), in containerd's environment: the same snapguard config and real runc.
 Each restore must continue exactly: the first new line follows a value the workload had reached
 at the snapshot, with the hash chain over every earlier value intact.
 """
@@ -88,7 +88,7 @@ def drill_exit(ctd: Containerd, runc_binary: str, out_dir: Path, cid: str = "dri
     proc = subprocess.run([runc_binary, "--root", str(out_dir / "runc"), "restore", "--image-path", str(image_dir),
                            "--work-path", str(out_dir / "restore-work"), "--bundle", str(bundle), "--detach",
                            "--pid-file", str(out_dir / "restored.pid"), restored_id],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=120, check=False, env=ctd.env)
     restore_s = time.monotonic() - t0
     try:
         if proc.returncode != 0:
@@ -96,9 +96,9 @@ def drill_exit(ctd: Containerd, runc_binary: str, out_dir: Path, cid: str = "dri
         log.wait_for(10)
     finally:
         runc = [runc_binary, "--root", str(out_dir / "runc")]
-        subprocess.run([*runc, "kill", restored_id, "KILL"], capture_output=True, check=False)
+        subprocess.run([*runc, "kill", restored_id, "KILL"], capture_output=True, check=False, env=ctd.env)
         time.sleep(0.2)
-        subprocess.run([*runc, "delete", "--force", restored_id], capture_output=True, check=False)
+        subprocess.run([*runc, "delete", "--force", restored_id], capture_output=True, check=False, env=ctd.env)
         subprocess.run(["/usr/bin/umount", "-l", str(bundle / "rootfs")], capture_output=True, check=False)
     result = {"variant": "exit", "checkpoint_s": checkpoint_s, "restore_s": restore_s,
               "stopped_at_dump": stopped,
@@ -119,15 +119,17 @@ def _table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def run_drill(json_path: str | None = None, workdir: str | None = None) -> int:
+def run_drill(json_path: str | None = None, workdir: str | None = None, stack: str = "debian12") -> int:
+    """The drill on one containerd/runc stack (testbed.STACKS)."""
     if os.geteuid() != 0:
         print("snapguard-lab INSUFFICIENT_PRIVILEGE: the drill runs containerd and CRIU and needs root",
               file=sys.stderr)
         return 1
     base = Path(workdir or tempfile.mkdtemp(prefix="snapguard-drill-"))
     runc_binary = snapguard_runc_path()
-    ctd = Containerd(str(base / "containerd"))
-    print(f"drill: containerd in {ctd.workdir}, runc binary {runc_binary}")
+    ctd = Containerd(str(base / "containerd"), stack=stack)
+    print(f"drill: containerd in {ctd.workdir} ({ctd.stack.containerd}), runc binary {runc_binary} "
+          f"in front of {ctd.runc}")
     try:
         ctd.start()
         ctd.import_counter_image()

@@ -28,8 +28,8 @@ from snapguard.hooks import site_dir
 
 from . import workloads
 
-__all__ = ["COUNTER_IMAGE", "COUNTER_SCRIPT", "Containerd", "CounterLog", "DDP_LAUNCH", "DdpJob",
-           "build_counter_image", "expected_hash", "host_bundle", "product_root", "release_mounts",
+__all__ = ["COMPAT", "COUNTER_IMAGE", "COUNTER_SCRIPT", "Containerd", "CounterLog", "DDP_LAUNCH", "DdpJob", "STACKS",
+           "Stack", "build_counter_image", "expected_hash", "host_bundle", "product_root", "release_mounts",
            "snapguard_runc_path"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
@@ -39,6 +39,28 @@ CONTAINERD = "/usr/bin/containerd"
 COUNTER_SCRIPT = workloads.path("counter", "counter.sh")
 MODULUS = 1_000_000_007
 RUNC = "/usr/sbin/runc"
+COMPAT = "/opt/snapguard/compat"  # packaging/install-deps.sh: Debian unstable's containerd and runc
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A containerd with its ctr, and the real runc that snapguard-runc passes through to."""
+
+    name: str
+    containerd: str
+    ctr: str
+    runc: str
+    config_version: int
+    bin_dir: str | None = None  # first in containerd's PATH: its shim (containerd-shim-runc-v2) is found there
+
+
+STACKS = {
+    # Debian 12: containerd 1.6.20, runc 1.1.5
+    "debian12": Stack("debian12", CONTAINERD, CTR, RUNC, 2),
+    # Debian unstable's containerd 2.1.9 and runc 1.3.6 (patched to unstable's glibc), from install-deps.sh
+    "compat": Stack("compat", f"{COMPAT}/bin/containerd", f"{COMPAT}/bin/ctr", f"{COMPAT}/bin/runc", 3,
+                    bin_dir=f"{COMPAT}/bin"),
+}
 
 
 def snapguard_runc_path() -> str:
@@ -159,37 +181,63 @@ class CounterLog:
 
 
 class Containerd:
-    """containerd in its own root under `workdir`, stopped (with its tasks) by `stop`."""
+    """containerd in its own root under `workdir`, stopped (with its tasks) by `stop`.
 
-    def __init__(self, workdir: str, env: dict[str, str] | None = None) -> None:
+    `stack` picks the containerd, ctr and real runc (`STACKS`): "debian12" (the default) or
+    "compat". On the compat stack containerd gets its own shim first in PATH, and snapguard-runc
+    (which containerd's environment reaches through the shim) `SNAPGUARD_RUNC` set to the stack's
+    runc, unless `env` names another."""
+
+    def __init__(self, workdir: str, env: dict[str, str] | None = None, stack: str = "debian12") -> None:
         self.workdir = Path(workdir)
+        self.stack = STACKS[stack]
         self.socket = str(self.workdir / "containerd.sock")
-        self.env = {**os.environ, **(env or {})}
+        stack_env: dict[str, str] = {}
+        if self.stack.bin_dir:
+            stack_env = {"PATH": f"{self.stack.bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                         "SNAPGUARD_RUNC": self.stack.runc}
+        self.env = {**os.environ, **stack_env, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.namespace = "snapguard"
+        # its own namespace per stack: runc's root (below) is shared by every containerd on the host
+        self.namespace = "snapguard" if stack == "debian12" else f"snapguard-{stack}"
+
+    @property
+    def runc(self) -> str:
+        """The real runc of this stack."""
+        return self.stack.runc
 
     @property
     def runc_root(self) -> str:
         """runc's --root for this namespace: the shim keeps its containers there."""
         return f"/run/containerd/runc/{self.namespace}"
 
+    def _config(self) -> str:
+        common = (f'root = "{self.workdir}/root"\n'
+                  f'state = "{self.workdir}/state"\n')
+        listen = (f'[grpc]\n  address = "{self.socket}"\n'
+                  f'[ttrpc]\n  address = "{self.socket}.ttrpc"\n'
+                  '[debug]\n  address = ""\n'
+                  '[metrics]\n  address = ""\n')
+        if self.stack.config_version == 2:
+            return ("version = 2\n" + common +
+                    'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n' + listen +
+                    '[plugins."io.containerd.runtime.v2.task"]\n'
+                    f'  state = "{self.workdir}/state/v2"\n')
+        # containerd 2.x: the CRI service and NRI off (NRI's socket is host-wide); its temp dir
+        # (TMPDIR of the shim: `ctr containers checkpoint` images) and opt dir inside workdir
+        return ("version = 3\n" + common + f'temp = "{self.workdir}/tmp"\n'
+                'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.nri.v1.nri"]\n' + listen +
+                "[plugins.'io.containerd.internal.v1.opt']\n"
+                f'  path = "{self.workdir}/opt"\n')
+
     def start(self, timeout: float = 20.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.stack.config_version >= 3:
+            (self.workdir / "tmp").mkdir(exist_ok=True)
         config = self.workdir / "config.toml"
-        config.write_text(
-            "version = 2\n"
-            f'root = "{self.workdir}/root"\n'
-            f'state = "{self.workdir}/state"\n'
-            'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-            f'[grpc]\n  address = "{self.socket}"\n'
-            f'[ttrpc]\n  address = "{self.socket}.ttrpc"\n'
-            '[debug]\n  address = ""\n'
-            '[metrics]\n  address = ""\n'
-            '[plugins."io.containerd.runtime.v2.task"]\n'
-            f'  state = "{self.workdir}/state/v2"\n'
-        )
+        config.write_text(self._config())
         log = open(self.workdir / "containerd.log", "ab")
-        self.proc = subprocess.Popen([CONTAINERD, "--config", str(config)], stdout=log, stderr=log,
+        self.proc = subprocess.Popen([self.stack.containerd, "--config", str(config)], stdout=log, stderr=log,
                                      env=self.env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
@@ -202,7 +250,7 @@ class Containerd:
         raise TimeoutError(f"containerd did not answer on {self.socket}")
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([CTR, "--address", self.socket, "--namespace", self.namespace, *args],
+        out = subprocess.run([self.stack.ctr, "--address", self.socket, "--namespace", self.namespace, *args],
                              capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
         if check and out.returncode != 0:
             raise RuntimeError(f"ctr {' '.join(args)} exited {out.returncode}: {out.stderr.strip()}")
@@ -211,7 +259,10 @@ class Containerd:
     def import_counter_image(self) -> str:
         tarball = self.workdir / "counter-image.tar"
         name = build_counter_image(str(tarball))
-        self.ctr("images", "import", "--snapshotter", "native", str(tarball))
+        # ctr 2.x imports through containerd's transfer service, which unpacks only for the
+        # platforms and snapshotters its config names; --local imports as ctr 1.6 does
+        local = ["--local"] if self.stack.config_version >= 3 else []
+        self.ctr("images", "import", *local, "--snapshotter", "native", str(tarball))
         return name
 
     def run_counter(self, container_id: str, out_dir: str, runc_binary: str) -> None:

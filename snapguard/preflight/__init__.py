@@ -107,6 +107,7 @@ def node_report(config: Config, require: tuple[str, ...] | list[str] | None = No
     report = Report("--node", required=required)
     host_checks(report, config, gpu_required=os.path.exists(gpu.NVIDIA_DRIVER))
     report.run("runc", lambda: host.check_runc(config.runc, report.facts))
+    report.run("runtime-versions", lambda: host.check_runtime_versions(config.runc, config.state_dir, report.facts))
     report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.facts.get("gpu")))
     driver = next(c for c in report.checks if c.name == "nvidia-driver")
     if not driver.error and report.facts.get("gpu") is None:

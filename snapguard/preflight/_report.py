@@ -253,6 +253,11 @@ class Report:
 
     def to_text(self) -> str:
         lines = [f"snapguard preflight {self.target}: {self.verdict.upper()}"]
+        versions = [f"{name} {self.facts[key]}" for name, key in
+                    (("runc", "runc_version"), ("containerd", "containerd_version"), ("CRIU", "criu_version"))
+                    if self.facts.get(key)]
+        if versions:
+            lines.append(f"runtime: {', '.join(versions)}")
         caps = self.capabilities
         if caps:
             lines.append(f"required: {', '.join(self.required or ()) or '(nothing)'}")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 
 from .. import criu
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
-from ..reasons import Finding, Reason, Severity
+from ..reasons import Finding, Reason, Severity, SnapguardError
 
 __all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
-           "IPTABLES_RESTORE"]
+           "check_runtime_versions", "runtime_pairing", "CONTAINERD_PATHS", "IPTABLES_RESTORE"]
 
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
 NVIDIA_DRIVER = "/proc/driver/nvidia/version"
@@ -70,6 +71,95 @@ def check_runc(path: str, facts: dict[str, object]) -> list[Finding]:
     if said:
         facts["runc_version"] = said[0].removeprefix("runc version ").strip()
     return []
+
+
+# The node's containerd: the first of these that exists (no PATH lookup). The last is the compat
+# stack packaging/install-deps.sh unpacks (Debian unstable's containerd 2.x).
+CONTAINERD_PATHS = ("/usr/bin/containerd", "/usr/local/bin/containerd", "/opt/snapguard/compat/bin/containerd")
+
+# The runc each containerd minor release is tested with: containerd's docs/RUNC.md recommends "a
+# version of runc that's equal to or higher than" the one in script/setup/runc-version, which at
+# v1.6.0 names v1.1.0, v1.7.0 v1.1.4, v2.0.0 v1.2.1, v2.1.0 v1.3.0, v2.2.0 v1.3.3, v2.3.0 v1.4.2
+# (read from containerd's tags). Compared by minor: a later patch release may name a newer patch.
+CONTAINERD_RUNC_FLOOR = {(1, 6): (1, 1), (1, 7): (1, 1), (2, 0): (1, 2), (2, 1): (1, 3), (2, 2): (1, 3), (2, 3): (1, 4)}
+# runc 1.4 removed `--criu` (runc CHANGELOG, 1.4.0-rc.1: "The deprecated `--criu` flag has been
+# removed entirely", #4722; 1.2 ignored it with a warning). containerd 1.6 passes it on every runc
+# call when the runtime's CriuPath option is set (NewRunc in pkg/process/init.go and go-runc's
+# global args, v1.6.0 to v1.6.39); 1.7 ignores CriuPath (containerd commit d2013d2c9, "runtime:
+# deprecate runc --criu / -criu-path option", first in v1.7.0) and 2.0 removed it (RELEASES.md).
+RUNC_WITHOUT_CRIU_FLAG = (1, 4)
+CONTAINERD_PASSING_CRIU = (1, 6)
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
+def runtime_pairing(containerd: tuple[int, int, int], runc_version: tuple[int, int, int],
+                    evidence: dict[str, object] | None = None) -> list[Finding]:
+    """Known bad pairings of a containerd and a runc version, as warnings (each rule's source is
+    at CONTAINERD_RUNC_FLOOR and RUNC_WITHOUT_CRIU_FLAG)."""
+    evidence = {"containerd_version": _dotted(containerd), "runc_version": _dotted(runc_version), **(evidence or {})}
+    findings = []
+    known = [m for m in CONTAINERD_RUNC_FLOOR if m <= containerd[:2]]
+    if known:  # nothing is said here of a containerd older than 1.6
+        tested = max(known)
+        floor = CONTAINERD_RUNC_FLOOR[tested]
+        if runc_version[:2] < floor:
+            newest = " (the newest this check knows)" if tested < containerd[:2] else ""
+            which = f"containerd {_dotted(tested)}{newest}"
+            findings.append(Finding(
+                Reason.RUNTIME_PAIRING_UNTESTED,
+                f"runc {_dotted(runc_version)} is older than the runc containerd {_dotted(containerd)} is meant for: "
+                f"{which} is tested with runc {_dotted(floor)}, and its docs/RUNC.md recommends that or newer",
+                Severity.WARNING, {**evidence, "runc_recommended": _dotted(floor)}))
+    if containerd[:2] <= CONTAINERD_PASSING_CRIU and runc_version[:2] >= RUNC_WITHOUT_CRIU_FLAG:
+        findings.append(Finding(
+            Reason.RUNTIME_PAIRING_UNTESTED,
+            f"containerd {_dotted(containerd)} passes `--criu` to runc on every call when the runtime's CriuPath "
+            f"option is set, and runc {_dotted(runc_version)} refuses that flag (removed in runc 1.4): leave "
+            "CriuPath unset", Severity.WARNING, {**evidence, "rule": "runc>=1.4 has no --criu"}))
+    return findings
+
+
+def check_runtime_versions(runc_path: str, state_dir: str | None, facts: dict[str, object],
+                           containerd_paths: tuple[str, ...] = CONTAINERD_PATHS) -> list[Finding]:
+    """The runc and containerd versions of this node into the facts (`runc_version`,
+    `containerd_version`, `containerd_path`), and a warning for a known bad pairing. Only
+    root's binaries are run, each under a deadline."""
+    from .. import runc
+
+    runc_version = (0, 0, 0)
+    if not check_pinned_binary(runc_path, "runc"):  # the runc check reports why not
+        try:
+            runc_version = runc.version(runc_path, state_dir)  # read once per binary, cached in the state dir
+        except SnapguardError:
+            pass  # did not start or answer: the runc check says so
+        if runc_version != (0, 0, 0):
+            facts.setdefault("runc_version", _dotted(runc_version))
+    path = next((p for p in containerd_paths if os.path.lexists(p)), None)
+    facts["containerd_path"] = path
+    facts["containerd_version"] = None
+    if path is None:
+        return []
+    problem = check_pinned_binary(path, "containerd")
+    if problem:
+        facts["containerd_problem"] = problem
+        return []
+    out = probe([path, "--version"], timeout_s=10)
+    if isinstance(out, str):
+        facts["containerd_problem"] = out
+        return []
+    # `containerd github.com/containerd/containerd[/v2] VERSION [REVISION]`
+    words = out.stdout.split()
+    said = words[2] if len(words) >= 3 and out.returncode == 0 else None
+    facts["containerd_version"] = said
+    m = _VERSION.match(said or "")
+    if m is None or runc_version == (0, 0, 0):
+        return []
+    containerd = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    return runtime_pairing(containerd, runc_version, {"containerd_path": path, "runc_path": runc_path})
 
 
 def check_network_lock() -> list[Finding]:

@@ -1,4 +1,6 @@
-"""End to end through containerd 1.6, its runc shim, snapguard-runc, the real runc and CRIU."""
+"""End to end through containerd, its runc shim, snapguard-runc, the real runc and CRIU, on both
+stacks of the `containerd` fixture: Debian 12's containerd 1.6.20 + runc 1.1.5, and Debian
+unstable's containerd 2.1.9 + runc 1.3.6 (packaging/install-deps.sh's /opt/snapguard/compat)."""
 
 from __future__ import annotations
 
@@ -75,14 +77,14 @@ def test_tampered_image_refused_before_restore(
     out = subprocess.run([snapguard_runc, "--root", str(runc_root), "--log", str(log), "--log-format", "json",
                           "restore", "--image-path", str(image_dir), "--work-path", str(work),
                           "--bundle", str(tmp_path / "bundle"), "--detach", "-no-subreaper", "t-tampered"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=containerd.env)
     assert out.returncode == 1
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
     assert msg.startswith(f"snapguard IMAGE_CORRUPT: image file {pages.name} has sha256 ")
     record = json.loads((work / "snapguard-result.json").read_text())
     assert record["reason"] == "IMAGE_CORRUPT" and record["evidence"]["path"] == str(pages)
     assert not (work / "restore.log").exists(), "runc restore ran despite the corrupt image"
-    assert subprocess.run(["/usr/sbin/runc", "--root", str(runc_root), "state", "t-tampered"],
+    assert subprocess.run([containerd.runc, "--root", str(runc_root), "state", "t-tampered"],
                           capture_output=True).returncode != 0
 
 
@@ -117,3 +119,35 @@ def test_preflight_of_a_running_container(containerd: Containerd, snapguard_runc
         assert missing.returncode == 2 and "runc-state" in missing.stdout
     finally:
         containerd.remove("t-pre")
+
+
+def test_node_preflight_reports_runc_and_containerd_versions(containerd: Containerd, tmp_path: Path) -> None:
+    """`snapguard preflight --node --json` as containerd's environment sets it up: the stack's runc
+    (SNAPGUARD_RUNC on the compat stack) and the node's containerd, the first of the pinned paths."""
+    import os
+    import sys
+
+    from snapguard.preflight import host
+
+    exe = os.path.join(os.path.dirname(sys.executable), "snapguard")
+    out = subprocess.run([exe, "preflight", "--node", "--json"], capture_output=True, text=True, timeout=120,
+                         env={**containerd.env, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")})
+    report = json.loads(out.stdout)
+    said = subprocess.run([containerd.runc, "--version"], capture_output=True, text=True, check=True).stdout
+    assert report["facts"]["runc_version"] == said.splitlines()[0].removeprefix("runc version ")
+    node = next(p for p in host.CONTAINERD_PATHS if os.path.exists(p))
+    said = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout
+    assert report["facts"]["containerd_path"] == node
+    assert report["facts"]["containerd_version"] == said.split()[2]
+    [check] = [c for c in report["checks"] if c["name"] == "runtime-versions"]
+    assert check["error"] is None
+    assert check["status"] == ("warning" if host.runtime_pairing(_version(said.split()[2]), _version(
+        report["facts"]["runc_version"])) else "ok"), check
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    import re
+
+    m = re.match(r"v?(\d+)\.(\d+)\.(\d+)", text)
+    assert m, text
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3)))
