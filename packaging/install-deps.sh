@@ -28,6 +28,8 @@ COMPAT_RUNC_VERSION=1.3.6
 # docker-registry: the registry the kubelet-path test's restore pulls the checkpoint's base image from
 RUNTIME_PKGS=(runc containerd iptables busybox-static ca-certificates curl xz-utils gcc python3 python3-venv python3-dev
   docker-registry)
+# A real S3 server for the image-store tests: Ceph's radosgw on a one-node cluster (memstore OSD)
+STORE_PKGS=(ceph-mon ceph-osd radosgw ceph-common)
 CRIU_BUILD_PKGS=(build-essential dpkg-dev libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev
   protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libbsd-dev pkg-config python3-protobuf
   libnftables-dev libgnutls28-dev libaio-dev uuid-dev)
@@ -191,6 +193,7 @@ SRC
 }
 
 apt_install "${RUNTIME_PKGS[@]}"
+apt_install "${STORE_PKGS[@]}"
 criu_ok || build_criu
 criu_ok || { log "CRIU $CRIU_VERSION not usable after build"; exit 1; }
 apt_install patchelf

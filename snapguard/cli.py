@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--take-wait", type=float, default=None, metavar="S",
                     help="seconds to wait for the workload's step boundary (default: take_wait_s of the "
                          "config, 10); then go on without")
+    ck.add_argument("--job", metavar="J", help="the job this tree runs: its fencing epoch on this node (taken by "
+                    "`restore --from`) is sealed into the manifest, so a stale node's push is refused")
     ck.add_argument("--network-lock", choices=("auto", "iptables", "nftables", "skip"), default="auto",
                     help="how CRIU keeps the network still: auto (default) skips it when nothing outside the "
                          "tree can reach it, else iptables")
@@ -73,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                         description=("Verify the image (completion marker, checksums, manifest), compare it with "
                                      "this host (CPU, driver, GPU model, count and memory, pids), restore it "
                                      "detached with CRIU and check its CUDA processes run."))
-    rt.add_argument("--images", required=True, metavar="DIR", help="image directory (root-owned, root-only)")
+    rt.add_argument("--images", metavar="DIR", help="image directory (root-owned, root-only); with --from, where "
+                    "the fetched image goes")
     rt.add_argument("--tcp-established", action="store_true", help="restore established TCP connections")
     rt.add_argument("--json", action="store_true", help="print the result record as JSON")
 
@@ -85,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
                         description="Hands over to `snapguard-lab drill` (the lab package, installed beside "
                                     "snapguard by packaging/setup.sh); see `snapguard-lab drill --help`.")
     _add_plan_parser(sub)
+    _add_install_parsers(sub)
+    _add_store_parsers(sub)
+    from . import notice  # agent, notice, protect
+
+    notice.add_parsers(sub)
     return p
 
 
@@ -254,7 +262,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     config = load()
     req = pipeline.Request(os.path.abspath(args.images), leave_running=args.leave_running,
                            tcp_established=args.tcp_established, network_lock=args.network_lock,
-                           timeouts=pipeline.Timeouts.from_config(config, args.take_wait))
+                           timeouts=pipeline.Timeouts.from_config(config, args.take_wait),
+                           fence_epoch=pipeline.node_epoch(config, args.job, "") if args.job else None)
     runner = pipeline.CriuRunner(config.criu, args.pid)
     return _snapshot(args, req.work_dir, lambda: pipeline.checkpoint(runner, req, config))
 
@@ -262,6 +271,10 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_restore(args: argparse.Namespace) -> int:
     from . import pipeline
 
+    if args.from_url:
+        return _cmd_restore_from(args)
+    if not args.images:
+        raise SnapguardError(Reason.USAGE_ERROR, "restore needs --images DIR or --from URL")
     config = load()
     req = pipeline.Request(os.path.abspath(args.images), tcp_established=args.tcp_established,
                            timeouts=pipeline.Timeouts.from_config(config))
@@ -385,6 +398,90 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_install_parsers(sub) -> None:
+    from .install import DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG, DEFAULT_STATE_FILE
+    from .metrics import DEFAULT_TEXTFILE_DIR
+
+    ins = sub.add_parser("install", help="add the snapguard runtime to containerd and write /etc/snapguard/config.toml",
+                         description=(
+                             "Put snapguard on this node (as root): a containerd drop-in adding the CRI runtime "
+                             "NAME (runc v2 shim, BinaryName this install's snapguard-runc, SystemdCgroup as the "
+                             "default runtime has it), the main config's imports where it lacks the drop-in, and "
+                             "/etc/snapguard/config.toml with the pinned paths found here (`runc` = NVIDIA's runtime "
+                             "where that is containerd's default). Prints the RuntimeClass. A second run changes "
+                             "nothing; --uninstall reverses what it recorded. Restart containerd afterwards."))
+    ins.add_argument("--dry-run", action="store_true", help="print the change as a diff and write nothing")
+    ins.add_argument("--uninstall", action="store_true", help="reverse what snapguard install wrote")
+    ins.add_argument("--containerd-config", default=DEFAULT_CONTAINERD_CONFIG, metavar="PATH",
+                     help=f"containerd's main config (default {DEFAULT_CONTAINERD_CONFIG}); its `version` decides "
+                          "the drop-in's (2: containerd 1.6/1.7, 3: 2.x)")
+    ins.add_argument("--dropin-dir", metavar="DIR", help="where the drop-in goes (default: conf.d beside PATH)")
+    ins.add_argument("--runtime-name", default=DEFAULT_RUNTIME_NAME, metavar="NAME",
+                     help=f"the runtime, and the RuntimeClass handler (default {DEFAULT_RUNTIME_NAME})")
+    ins.add_argument("--config", default=DEFAULT_SNAPGUARD_CONFIG, metavar="PATH",
+                     help=f"snapguard's config to write (default {DEFAULT_SNAPGUARD_CONFIG})")
+    ins.add_argument("--state-file", default=DEFAULT_STATE_FILE, metavar="PATH",
+                     help=f"where what was written is recorded, root-only (default {DEFAULT_STATE_FILE})")
+    ins.add_argument("--containerd", metavar="PATH",
+                     help="the containerd binary whose version is read (default /usr/bin/containerd, /usr/local/bin/containerd)")
+    ins.add_argument("--snapguard-runc", metavar="PATH", help="BinaryName (default: snapguard-runc beside this snapguard)")
+    ins.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    met = sub.add_parser("metrics", help="the node preflight as Prometheus textfile metrics (node-exporter)",
+                         description=("Run `snapguard preflight --node` and write its verdict, capabilities and "
+                                      "checks to DIR/snapguard.prom with prometheus_client (extra `metrics`). Exit 0 "
+                                      "when written, whatever the verdict (it is in the metrics)."))
+    met.add_argument("--textfile", default=DEFAULT_TEXTFILE_DIR, metavar="DIR",
+                     help=f"node-exporter's textfile directory (default {DEFAULT_TEXTFILE_DIR})")
+    met.add_argument("--require", type=_capabilities, metavar="LIST", help="as preflight --node --require")
+    met.add_argument("--interval", type=_seconds, metavar="S", help="write again every S seconds, until stopped")
+
+
+def _cmd_install(args: argparse.Namespace) -> int:
+    from . import install
+
+    opts = install.Options(containerd_config=args.containerd_config, dropin_dir=args.dropin_dir,
+                           snapguard_config=args.config, state_file=args.state_file, runtime_name=args.runtime_name,
+                           containerd=args.containerd, snapguard_runc=args.snapguard_runc)
+    plan = install.plan_uninstall(opts) if args.uninstall else install.plan_install(opts)
+    if not args.dry_run:
+        install.apply(plan)
+    print(json.dumps(plan.to_dict(), indent=2, sort_keys=True, default=str) if args.json
+          else plan.to_text(args.dry_run), end="" if not args.json else "\n")
+    return 0
+
+
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    import time
+
+    from . import metrics, preflight
+
+    while True:
+        start = time.monotonic()
+        try:
+            report = preflight.node_report(load(), args.require)
+        except Exception as e:  # unchecked, as preflight reports it: the metrics say so
+            failure = failure_from(e)
+            if failure.reason is Reason.INTERNAL_ERROR:
+                failure = Failure(Reason.PREFLIGHT_FAILED, preflight.check_error_message(e))
+            print(failure.message, file=sys.stderr)
+            report = preflight.Report("--node", checks=[preflight.CheckResult(
+                "preflight", error=failure.detail, error_reason=failure.reason)])
+        try:
+            path = metrics.write_textfile(report, args.textfile, time.monotonic() - start)
+        except metrics.MetricsUnavailable as e:
+            print(f"snapguard USAGE_ERROR: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as e:
+            print(f"snapguard PREFLIGHT_FAILED: cannot write the metrics to {args.textfile}: {e.strerror or e}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        print(f"snapguard metrics: {report.verdict} (preflight --node exit {report.exit_code}) in {path}", flush=True)
+        if args.interval is None:
+            return 0
+        time.sleep(args.interval)
+
+
 def _cmd_drill(lab_args: list[str]) -> int:
     """The drills live in the lab package, which the product never imports: hand over to its
     command, installed beside this one (argv untouched, so its --help and errors are its own)."""
@@ -396,17 +493,160 @@ def _cmd_drill(lab_args: list[str]) -> int:
     os.execv(lab, [lab, "drill", *lab_args])
 
 
+EXIT_FALLBACK = 3  # restore --from refused and the job has a file checkpoint: its path is on stdout
+
+STORE_EPILOG = """\
+store URLs: file:///shared/dir (a directory every node mounts) or s3://bucket/prefix (boto3, the
+`s3` extra; endpoint from $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL_S3, keys from boto3's usual chain).
+An image counts in a store only once its completion marker, put last, is there.
+"""
+
+RESTORE_EPILOG = """\
+restore --from URL: fetch the job's newest whole image (or --image NAME) into --images (default: a
+new private directory in the state dir), verifying every byte against the manifest as it arrives,
+take the job's next fencing epoch (one restore wins a race; the other is FENCED and changes
+nothing), then restore it as --images would.
+exit codes:
+  0  restored
+  1  refused or failed (one typed line on stderr)
+  2  usage or configuration error
+  3  refused, and the job has a file checkpoint (--file-checkpoint, or the newest one registered
+     in the store): stderr says why and FALLBACK_TO_FILE_CHECKPOINT, stdout is the checkpoint's
+     path or URL alone: start the job from it
+"""
+
+
+def _add_store_parsers(sub) -> None:
+    rt = sub.choices["restore"]
+    rt.formatter_class = argparse.RawDescriptionHelpFormatter
+    rt.epilog = RESTORE_EPILOG
+    rt.add_argument("--from", dest="from_url", metavar="URL", help="an image store (file:// or s3://): fetch, "
+                    "verify while reading and restore the job's newest whole image")
+    rt.add_argument("--job", metavar="J", help="--from: the job (default: the store's only job)")
+    rt.add_argument("--image", metavar="NAME", help="--from: this image instead of the newest whole one")
+    rt.add_argument("--file-checkpoint", metavar="PATH_OR_URL",
+                    help="--from: the job's file checkpoint, printed with exit 3 when the restore is refused "
+                         "(default: the newest one registered in the store)")
+    rt.add_argument("--progress", action="store_true", help="draw the transfer's progress on a terminal")
+
+    ps = sub.add_parser("push", help="upload a sealed image to an image store",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=STORE_EPILOG,
+                        description=("Upload the whole image in --images (marker present) to --to as an image of "
+                                     "--job: every file verified against the manifest as it is read, then the "
+                                     "manifest, then the marker. Refused with FENCED, writing nothing, when the "
+                                     "job was restored elsewhere under a newer epoch than this node's."))
+    ps.add_argument("--images", required=True, metavar="DIR", help="the sealed image directory")
+    ps.add_argument("--to", required=True, metavar="URL", help="the store")
+    ps.add_argument("--job", metavar="J", help="the job (default: the image directory's name)")
+    ps.add_argument("--name", metavar="NAME", help="the image's name in the store (default: UTC time, sortable)")
+    ps.add_argument("--epoch", type=int, metavar="N", help="this node's fencing epoch of the job (default: the one "
+                    "this node's last restore --from took, else the manifest's fence_epoch, else 0)")
+    ps.add_argument("--progress", action="store_true", help="draw the transfer's progress on a terminal")
+    ps.add_argument("--json", action="store_true", help="print what was pushed as JSON")
+
+    pl = sub.add_parser("pull", help="fetch an image from a store, verifying it while reading",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=STORE_EPILOG,
+                        description=("Fetch the job's newest whole image (or --image) into --images, a new or "
+                                     "empty directory made root-only; every byte is checked against the manifest "
+                                     "as it arrives and the local marker is written last."))
+    pl.add_argument("--from", dest="from_url", required=True, metavar="URL", help="the store")
+    pl.add_argument("--images", required=True, metavar="DIR", help="where the image goes (new or empty)")
+    pl.add_argument("--job", metavar="J", help="the job (default: the store's only job)")
+    pl.add_argument("--image", metavar="NAME", help="this image instead of the newest whole one")
+    pl.add_argument("--progress", action="store_true", help="draw the transfer's progress on a terminal")
+    pl.add_argument("--json", action="store_true", help="print what was pulled as JSON")
+
+
+def _progress(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .store import terminal_progress
+
+    return terminal_progress(args.progress)
+
+
+def _store_failure(args: argparse.Namespace, e: SnapguardError) -> int:
+    print(e.failure.message, file=sys.stderr)
+    if args.json:
+        print(json.dumps(e.failure.to_dict(), indent=2, sort_keys=True, default=str))
+    return 1
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from . import pipeline
+
+    try:
+        config = load()
+    except ConfigError:
+        config = None  # the node's epoch file is only one of the places the epoch comes from
+    try:
+        out = pipeline.push_image(args.images, args.to, job=args.job, name=args.name, epoch=args.epoch,
+                                  config=config, progress_stream=_progress(args))
+    except SnapguardError as e:
+        return _store_failure(args, e)
+    print(json.dumps(out, indent=2, sort_keys=True) if args.json else
+          f"snapguard push: ok, {out['url']} (epoch {out['epoch']})")
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from . import pipeline
+
+    try:
+        out = pipeline.pull_image(args.from_url, args.images, job=args.job, image=args.image,
+                                  progress_stream=_progress(args))
+    except SnapguardError as e:
+        return _store_failure(args, e)
+    print(json.dumps(out, indent=2, sort_keys=True) if args.json else
+          f"snapguard pull: ok, {out['images']} ({out['bytes']} bytes in {out['seconds']:.2f} s, verified)")
+    return 0
+
+
+def _cmd_restore_from(args: argparse.Namespace) -> int:
+    """restore --from: on a refusal with a file checkpoint known, FALLBACK_TO_FILE_CHECKPOINT and
+    exit 3 with its path on stdout."""
+    from . import pipeline
+
+    try:
+        config = load()
+        result = pipeline.restore_from(args.from_url, config, job=args.job, image=args.image, images=args.images,
+                                       tcp_established=args.tcp_established, file_checkpoint=args.file_checkpoint,
+                                       progress_stream=_progress(args))
+    except Exception as e:
+        failure = failure_from(e)
+        fallback = failure.evidence.get("file_checkpoint") or args.file_checkpoint
+        print(failure.message, file=sys.stderr)
+        if args.json and not fallback:  # with a fallback, stdout is its path alone
+            print(json.dumps(failure.to_dict(), indent=2, sort_keys=True, default=str))
+        if fallback:
+            print(f"snapguard {Reason.FALLBACK_TO_FILE_CHECKPOINT.name}: {failure.reason.name}; start job "
+                  f"{failure.evidence.get('job') or args.job or '?'} from its file checkpoint {fallback}",
+                  file=sys.stderr)
+            print(fallback)
+            return EXIT_FALLBACK
+        return EXIT_USAGE if failure.reason.phase.value == "usage" or isinstance(e, ConfigError) else 1
+    _write_record(pipeline, result["image"], result)
+    _print_result(result, args.json)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["drill"]:
         return _cmd_drill(argv[1:])
     args = _parser().parse_args(argv)
     commands = {"preflight": _cmd_preflight, "reasons": _cmd_reasons,
-                "checkpoint": _cmd_checkpoint, "restore": _cmd_restore, "plan": _cmd_plan}
+                "checkpoint": _cmd_checkpoint, "restore": _cmd_restore, "plan": _cmd_plan,
+                "install": _cmd_install, "metrics": _cmd_metrics, "push": _cmd_push, "pull": _cmd_pull}
+    if args.command in ("agent", "notice", "protect"):
+        from . import notice
+
+        commands[args.command] = notice.COMMANDS[args.command]
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # the boundary: one typed line, never a traceback
         failure = failure_from(e)
         print(failure.message, file=sys.stderr)

@@ -544,16 +544,23 @@ def _check_unlisted(dir_fd: int, image_dir: str, files: dict[str, Any]) -> None:
             raise SnapguardError(Reason.UNTRUSTED_PATH, f"{_show(name)} in the image {why}", evidence=evidence)
 
 
-def verify(image_dir: str) -> dict[str, Any]:
-    """Refuse an untrusted, incomplete, corrupt or invalid image; return its validated manifest."""
+def verify(image_dir: str, verified: dict[str, tuple[str, tuple[int, int]]] | None = None) -> dict[str, Any]:
+    """Refuse an untrusted, incomplete, corrupt or invalid image; return its validated manifest.
+
+    `verified`: {name: (digest, (st_dev, st_ino))} that this process computed while it wrote the
+    file into a directory it made root-only (a store's pull checks every span as it arrives). Such a
+    file, while it is the same inode and its digest is the manifest's, is not read a second time;
+    its type, owner, size, the unlisted files and the manifest against the marker still are."""
     dir_fd, _ = _open_image_dir(image_dir)
     try:
         manifest = _read_manifest(dir_fd, image_dir)
         files: dict[str, dict[str, Any]] = manifest["files"]
         checked = _check_files(dir_fd, image_dir, files)
         _check_unlisted(dir_fd, image_dir, files)
+        known = {name: digest for name, (digest, ident) in (verified or {}).items()
+                 if name in checked and checked[name][1] == ident and digest == files[name]["sha256"]}
         try:
-            digests = _hash_all(dir_fd, checked)
+            digests = {**known, **_hash_all(dir_fd, {n: v for n, v in checked.items() if n not in known})}
         except _Changed as e:
             raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(e.name)} was replaced while it was "
                                  "being verified", evidence={"image": image_dir,

@@ -97,7 +97,10 @@ class Reason(enum.Enum):
 
     # workload checks
     STRAY_GPU_DEVICE_HANDLE = _Meta("a process holds /dev/nvidia* but has no CUDA context", P, True,
-                                    "stop NVML users, forked workers or monitors in the tree before the snapshot")
+                                    "start the job with snapguard's take-point hook (PYTHONPATH=<snapguard/hooks/"
+                                    "site>, SNAPGUARD_TAKE_DIR; it drops the GPU handles forked workers inherit "
+                                    "and shuts torch.compile's pool down) or the spawn start method; stop NVML "
+                                    "monitors in the tree")
     NCCL_UNSUPPORTED = _Meta("the job uses NCCL or several CUDA processes that cannot be coordinated", P, True,
                              "use a coordinated multi-rank snapshot or fall back to a file checkpoint")
     CUDA_IPC_UNSUPPORTED = _Meta("several CUDA processes share one GPU", P, True, "snapshot one CUDA process per GPU")
@@ -181,6 +184,30 @@ class Reason(enum.Enum):
                          "raise criu_timeout_s or look for a stuck runc; the workload was brought back")
     IMAGE_WRITE_FAILED = _Meta("the manifest or checksums could not be written into the image", C, True,
                                "check space and permissions of the image path")
+
+    # reclaim: the node agent (`snapguard agent`) and its notice sources
+    NOTICE_SOURCE_UNAVAILABLE = _Meta("a notice source (cloud metadata service, Kubernetes API, local inbox) could not "
+                                      "be read", P, True, "check the source's URL and that this node can reach it; "
+                                      "the agent keeps polling and the other sources still work")
+    NOTICE_MALFORMED = _Meta("a notice source answered something that is not in the format its owner documents", P, True,
+                             "check the source's URL points at the real service (not a proxy or captive page)")
+    AGENT_SNAPSHOT_INTERRUPTED = _Meta("the agent stopped while it snapshotted a workload; its unmarked image was "
+                                       "discarded", C, True, "nothing to do when the workload still runs (the agent "
+                                       "snapshots it again); else resume the job from its file checkpoint")
+    AGENT_UPLOAD_FAILED = _Meta("a sealed image could not be put into the image store", C, True,
+                                "check the store URL and credentials; the sealed image stays in the agent's state dir")
+
+    # the image store and reclaim recovery (snapguard.store)
+    STORE_UNREACHABLE = _Meta("the image store could not be reached or refused the request", R, True,
+                              "check the store URL, the network and the credentials; fall back to a file checkpoint")
+    STORE_TOO_SLOW = _Meta("the image store moved the image slower than its deadline allows", R, True,
+                           "raise the deadline or fix the store's throughput; fall back to a file checkpoint")
+    UPLOAD_INCOMPLETE = _Meta("the image in the store has no completion marker (upload interrupted or failed)", R, True,
+                              "restore a whole image (one with its marker) or push the image again")
+    FENCED = _Meta("a newer restore of the job holds a later epoch: this node's snapshot or restore is stale", R, True,
+                   "stop this copy of the job; the node holding the newest epoch owns it now")
+    FALLBACK_TO_FILE_CHECKPOINT = _Meta("the snapshot was refused, so the job starts from its newest file checkpoint",
+                                        R, True, "start the job from the file checkpoint printed; the refusal says why")
 
     @property
     def meaning(self) -> str:

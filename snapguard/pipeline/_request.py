@@ -44,6 +44,10 @@ class Request:
     tcp_established: bool = False
     network_lock: str = "auto"  # auto: skip when nothing outside the tree can reach it, else CRIU's default
     device_map: tuple[tuple[str, str], ...] | None = None  # restore: None derives it from the manifest
+    # restore: (name, sha256, st_dev, st_ino) of files whose digests were computed as they were
+    # written into a private directory (a store's pull): not read a second time
+    verified_digests: tuple[tuple[str, str, int, int], ...] = ()
+    fence_epoch: int | None = None  # checkpoint: the job's fencing epoch on this node, sealed into the manifest
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:

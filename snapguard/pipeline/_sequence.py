@@ -202,6 +202,7 @@ def _seal(req: Request, runner: Runner, report: preflight.Report, inv: procfs.In
     """The manifest's fields, hashed files and, last, the completion marker."""
     return image.seal(req.image_dir, {
         **runner.identity(),
+        **({"fence_epoch": req.fence_epoch} if req.fence_epoch is not None else {}),
         "leave_running": req.leave_running,
         "own_netns": own_netns,
         "network_lock": network_lock,
@@ -278,7 +279,9 @@ def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
     """Restore req.image_dir through the runner; a result record, or SnapguardError."""
     steps = _Steps()
     with steps.step("preflight", Reason.PREFLIGHT_FAILED, image=req.image_dir):
-        report = preflight.manifest_report(req.image_dir, config, criu=config.criu, exact=True)
+        report = preflight.manifest_report(req.image_dir, config, criu=config.criu, exact=True,
+                                           verified={name: (digest, (dev, ino))
+                                                     for name, digest, dev, ino in req.verified_digests})
         manifest = report.facts.get("manifest")
         if manifest is not None and runner.uses_host_pids:
             report.run("pid-conflicts", lambda: _pid_conflicts(manifest))

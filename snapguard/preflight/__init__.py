@@ -154,8 +154,10 @@ def container_report(container_id: str, runc_root: str | None, config: Config) -
     return _tree_report(report, state["pid"], config, False)
 
 
-def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False) -> Report:
+def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False,
+                    verified: dict[str, tuple[str, tuple[int, int]]] | None = None) -> Report:
     """Can this host restore the image whose manifest (or image directory) is at `path`?
+    `verified`: digests computed while the files were written (see image.verify).
 
     The image is verified first (marker, manifest, checksums); its manifest lands in
     `report.facts["manifest"]`.
@@ -164,7 +166,7 @@ def manifest_report(path: str, config: Config, criu: str | None = None, exact: b
     image_dir = path if exact or os.path.isdir(path) else os.path.dirname(path) or "."
     report = Report(f"--manifest {path}")
     try:
-        manifest = image.verify(image_dir)
+        manifest = image.verify(image_dir, verified)
     except SnapguardError as e:
         report.checks.append(CheckResult("image", findings=[
             Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)]))

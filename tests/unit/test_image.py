@@ -461,3 +461,26 @@ def test_compare_with_host() -> None:
     assert by_reason[Reason.CPU_FEATURE_MISMATCH].evidence["missing_flags"] == ["avx512_imaginary"]
     assert by_reason[Reason.KERNEL_CHANGED].severity is Severity.WARNING
     assert by_reason[Reason.CRIU_VERSION_CHANGED].severity is Severity.WARNING
+
+
+def test_digests_verified_while_written_are_not_read_again_but_stay_bound_to_the_inode(sealed: Path) -> None:
+    """A store's pull checks every span as it writes the file; verification then skips that file
+    only while it is the same inode with the manifest's digest."""
+    manifest = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    pages = sealed / "pages-1.img"
+    digest = manifest["files"]["pages-1.img"]["sha256"]
+    data = bytearray(pages.read_bytes())
+    data[1000] ^= 0xFF
+    with open(pages, "r+b") as f:  # same inode, same size, other bytes
+        f.write(bytes(data))
+    st = pages.stat()
+    ident = (st.st_dev, st.st_ino)
+    # told it was verified as written: not read again (this is what saves the second pass)
+    assert image.verify(str(sealed), {"pages-1.img": (digest, ident)})["files"]
+    with pytest.raises(SnapguardError) as e:  # not told: read, and the flip is found
+        image.verify(str(sealed))
+    assert e.value.reason is Reason.IMAGE_CORRUPT
+    with pytest.raises(SnapguardError):  # another inode than the one verified: read again
+        image.verify(str(sealed), {"pages-1.img": (digest, (st.st_dev, st.st_ino + 1))})
+    with pytest.raises(SnapguardError):  # a digest other than the manifest's: read again
+        image.verify(str(sealed), {"pages-1.img": ("0" * 64, ident)})

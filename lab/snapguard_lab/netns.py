@@ -1,0 +1,109 @@
+"""Two "nodes" on one machine: network namespaces made with pyroute2, joined by a bridge.
+
+    with Nodes(["node-a", "node-b"]) as nodes:
+        subprocess.run(cmd, preexec_fn=nodes.enter("node-b"))   # runs with node-b's network
+
+Each node is a network namespace with its own loopback and one end of a veth pair whose other end
+is on a bridge in the creating namespace; the bridge holds the host's address on that link, which
+a service on the host (the lab's radosgw) listens on, so every node reaches it. Addresses are
+IPv4 link-local (169.254.0.0/16, RFC 3927, never routed off a link): the test hosts live in
+namespaces this process made, traffic never leaves the machine, and no private (10/8, 172.16/12,
+192.168/16) or public address is used. 169.254.169.254 (cloud metadata) is avoided.
+Each node gets its own state and image directories from the test, not from here: only the
+network is per node (mount, pid and user namespaces are the host's, as on a real node).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["HOST_ADDRESS", "Nodes"]
+
+SUBNET = "169.254.77"
+HOST_ADDRESS = f"{SUBNET}.1"
+PREFIX = 24
+
+
+@dataclass
+class Nodes:
+    names: list[str]
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    addresses: dict[str, str] = field(default_factory=dict)
+    bridge: str = ""
+    _made: list[str] = field(default_factory=list)
+
+    def ns(self, name: str) -> str:
+        return f"sg-{self.tag}-{name}"
+
+    def __enter__(self) -> Nodes:
+        from pyroute2 import IPRoute, NetNS, netns
+
+        self.bridge = f"sgbr{self.tag}"[:15]
+        try:
+            with IPRoute() as ip:
+                ip.link("add", ifname=self.bridge, kind="bridge")
+                br = ip.link_lookup(ifname=self.bridge)[0]
+                ip.addr("add", index=br, address=HOST_ADDRESS, prefixlen=PREFIX)
+                ip.link("set", index=br, state="up")
+                for i, name in enumerate(self.names):
+                    ns = self.ns(name)
+                    netns.create(ns)
+                    self._made.append(ns)
+                    host_end, node_end = f"sgh{self.tag}{i}"[:15], f"sgn{self.tag}{i}"[:15]
+                    ip.link("add", ifname=host_end, kind="veth", peer=node_end)
+                    h = ip.link_lookup(ifname=host_end)[0]
+                    ip.link("set", index=h, master=br, state="up")
+                    n = ip.link_lookup(ifname=node_end)[0]
+                    ip.link("set", index=n, net_ns_fd=ns)
+                    address = f"{SUBNET}.{10 + i}"
+                    with NetNS(ns) as nsip:
+                        lo = nsip.link_lookup(ifname="lo")[0]
+                        nsip.link("set", index=lo, state="up")
+                        idx = nsip.link_lookup(ifname=node_end)[0]
+                        nsip.addr("add", index=idx, address=address, prefixlen=PREFIX)
+                        nsip.link("set", index=idx, state="up")
+                    self.addresses[name] = address
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def enter(self, name: str) -> Callable[[], None]:
+        """A preexec_fn: the child joins the node's network namespace (and nothing else)."""
+        path = f"/var/run/netns/{self.ns(name)}"
+
+        def join() -> None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.setns(fd, os.CLONE_NEWNET) if hasattr(os, "setns") else _setns(fd)
+            finally:
+                os.close(fd)
+
+        return join
+
+    def __exit__(self, *exc: object) -> None:
+        from pyroute2 import IPRoute, netns
+
+        for ns in reversed(self._made):  # removing a namespace removes its veth end, and so the pair
+            try:
+                netns.remove(ns)
+            except OSError:
+                pass
+        self._made.clear()
+        if self.bridge:
+            with IPRoute() as ip:
+                found = ip.link_lookup(ifname=self.bridge)
+                if found:
+                    ip.link("del", index=found[0])
+
+
+def _setns(fd: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))

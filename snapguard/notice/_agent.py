@@ -1,0 +1,560 @@
+"""The node agent: on a reclaim notice, one stopping snapshot of each registered workload.
+
+State, all in `<state_dir>/agent` (0700, root's): `registry.json` (the protected workloads, what
+`snapguard protect` adds), `notices.json` (every notice id seen, written BEFORE acting on it, so a
+notice read twice, or read again by a restarted agent, is acted on once), `journal.jsonl` (one
+fsynced JSON line per step: noticed, snapshot started for a workload into an image dir, sealed,
+failed, discarded, upload started, uploaded), `inbox/` (what `snapguard notice` writes) and, unless
+`images` names another place, `images/`.
+
+Restart: an agent killed mid-snapshot leaves a journal whose last word on an image is "started".
+The restarted agent kills whatever still runs on that image (CRIU runs in a process group of its
+own and outlives its parent: found by its `--images-dir` argument), brings the workload's CUDA
+processes back to running, and then: an image with the completion marker is whole (the marker is
+written last) and counts as sealed; one without it is discarded, never uploaded or marked. A
+workload still running is snapshotted again while its notice is open; one that is gone (CRIU
+finished the dump and ended it, but the seal never happened) is recorded as lost with
+AGENT_SNAPSHOT_INTERRUPTED and its file checkpoint named as the fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from .. import files
+from ..config import Config
+from ..names import MARKER_NAME
+from ..reasons import Failure, Reason, SnapguardError, failure_from
+from ._sources import Local, Notice, Source
+
+__all__ = ["Agent", "ImageStore", "Registry", "agent_dir", "post_notice"]
+
+JOURNAL = "journal.jsonl"
+REGISTRY = "registry.json"
+NOTICES = "notices.json"
+INBOX = "inbox"
+IMAGES = "images"
+
+
+class ImageStore(Protocol):
+    """What the agent needs of snapguard.store's Store (`open_store(url)`)."""
+
+    def put_image(self, image_dir: str, job: str, name: str, progress: Callable[..., Any] | None = None) -> Any: ...
+
+
+def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, progress: Callable[..., Any]) -> Any:
+    """Put a sealed image through whichever face the store has: `put_image(dir, job, name,
+    progress)` (the ImageStore protocol) or snapguard.store's `push(dir, job, name=, epoch=,
+    progress=Progress)` under the workload's fencing epoch (`protect --epoch`, else the job's current
+    one: a newer epoch taken by a replacement refuses the push with FENCED)."""
+    if hasattr(store, "put_image"):
+        return store.put_image(image, w["job"], name, progress=progress)
+    epoch = w.get("epoch")
+    if epoch is None:
+        epoch = store.current_epoch(w["job"])
+    ref = store.push(image, w["job"], name=name, epoch=int(epoch),
+                     progress=store_mod.Progress(callback=lambda state: progress(state)))
+    return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
+
+
+def agent_dir(config: Config) -> str:
+    return files.ensure_private_dir(os.path.join(config.state_dir, "agent"))
+
+
+def _read_json(path: str, default: Any) -> Any:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return default
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise SnapguardError(Reason.UNTRUSTED_PATH, f"{path} is not private to this user: refusing to read it",
+                                 evidence={"path": path})
+        try:
+            return json.loads(f.read())
+        except ValueError as e:
+            raise SnapguardError(Reason.CONFIG_INVALID, f"{path} is not JSON ({e})", evidence={"path": path}) from None
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22): a pid plus it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 and fields[0] != b"Z" else None
+
+
+def _safe(text: str, n: int = 48) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:n]
+
+
+def _marked(image: str) -> bool:
+    return os.path.isfile(os.path.join(image, MARKER_NAME)) and not os.path.islink(os.path.join(image, MARKER_NAME))
+
+
+class Registry:
+    """The protected workloads: {key: entry}; keys `pid:P` and `container:ID`."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, REGISTRY)
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        doc = _read_json(self.path, {"workloads": {}})
+        return dict(doc.get("workloads") or {})
+
+    def save(self, workloads: dict[str, dict[str, Any]]) -> None:
+        files.write_private_json(self.path, {"workloads": workloads})
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, dict[str, Any]]]:
+        """Read-modify-write under a flock: `snapguard protect` and the agent edit it concurrently."""
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            w = self.load()
+            yield w
+            self.save(w)
+        finally:
+            os.close(fd)
+
+    def update(self, key: str, **changes: Any) -> None:
+        with self._locked() as w:
+            if key in w:
+                w[key].update(changes)
+
+    def add_pid(self, pid: int, job: str, file_checkpoint: str | None, epoch: int | None = None) -> dict[str, Any]:
+        start = _start_time(pid)
+        if start is None:
+            raise SnapguardError(Reason.PROCESS_NOT_FOUND, f"no running process {pid}", evidence={"pid": pid})
+        entry = {"kind": "pid", "pid": pid, "start_time": start, "job": job, "file_checkpoint": file_checkpoint,
+                 "epoch": epoch, "state": "protected", "added": time.time()}
+        return self._add(f"pid:{pid}", entry)
+
+    def add_container(self, cid: str, root: str | None, job: str, file_checkpoint: str | None,
+                      epoch: int | None = None) -> dict[str, Any]:
+        entry = {"kind": "container", "container": cid, "root": root, "job": job, "file_checkpoint": file_checkpoint,
+                 "epoch": epoch, "state": "protected", "added": time.time()}
+        return self._add(f"container:{cid}", entry)
+
+    def _add(self, key: str, entry: dict[str, Any]) -> dict[str, Any]:
+        if not entry["job"] or "/" in entry["job"] or entry["job"].startswith("."):
+            raise SnapguardError(Reason.USAGE_ERROR, f"--job {entry['job']!r}: a name without '/', not starting with '.'")
+        with self._locked() as w:
+            w[key] = {**entry, "key": key}
+            return w[key]
+
+    def remove(self, key: str) -> bool:
+        with self._locked() as w:
+            return w.pop(key, None) is not None
+
+
+def post_notice(config: Config, reason: str, *, notice_id: str | None = None, lead_s: float | None = None) -> str:
+    """`snapguard notice`: put a notice in the agent's inbox (atomic: a temporary file, renamed)."""
+    inbox = files.ensure_private_dir(os.path.join(agent_dir(config), INBOX))
+    nid = notice_id or uuid.uuid4().hex
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", nid):
+        raise SnapguardError(Reason.USAGE_ERROR, f"--id {nid!r}: letters, digits and _.:- only")
+    doc = {"id": nid, "reason": reason, "time": time.time(), "by_uid": os.getuid(),
+           "deadline": None if lead_s is None else time.time() + lead_s}
+    path = os.path.join(inbox, f"{_safe(nid, 128)}.json")
+    files.write_private_json(path, doc)
+    return path
+
+
+def _stray_processes(image: str) -> list[int]:
+    """Processes (CRIU, a wrapper, runc) that name `image` as an argument: left by a killed agent."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if image.encode() in argv:
+            found.append(int(name))
+    return found
+
+
+def _end_strays(image: str, wait_s: float = 10.0) -> list[int]:
+    strays = _stray_processes(image)
+    own = os.getpgrp()
+    for pid in strays:
+        try:
+            pgid = os.getpgid(pid)
+            os.killpg(pgid, signal.SIGKILL) if pgid != own else os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    end = time.monotonic() + wait_s
+    while strays and time.monotonic() < end and any(os.path.exists(f"/proc/{p}") and _start_time(p) is not None
+                                                     for p in strays):
+        time.sleep(0.05)
+    return strays
+
+
+class Agent:
+    def __init__(self, config: Config, sources: list[Source], *, store_url: str | None = None,
+                 images: str | None = None, interval_s: float = 5.0,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.dir = agent_dir(config)
+        self.images = files.ensure_private_dir(images or os.path.join(self.dir, IMAGES))
+        self.inbox = files.ensure_private_dir(os.path.join(self.dir, INBOX))
+        self.sources = sources
+        self.store_url = store_url
+        self.interval_s = interval_s
+        self.registry = Registry(self.dir)
+        self._log = log or (lambda line: print(line, flush=True))
+        self._queue: queue.Queue[Notice] = queue.Queue()
+        self._stop = threading.Event()
+        self._source_state: dict[str, str | None] = {}
+        self._lock_fd: int | None = None
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def log(self, text: str) -> None:
+        self._log(f"snapguard agent: {text}")
+
+    def journal(self, event: str, **fields: Any) -> None:
+        line = (json.dumps({"t": round(time.time(), 3), "event": event, **fields}, sort_keys=True, default=str)
+                + "\n").encode()
+        fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_journal(self) -> list[dict[str, Any]]:
+        try:
+            with open(os.path.join(self.dir, JOURNAL), "rb") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a kill mid-write
+        return out
+
+    def _notices(self) -> dict[str, Any]:
+        return _read_json(os.path.join(self.dir, NOTICES), {})
+
+    def _save_notices(self, seen: dict[str, Any]) -> None:
+        files.write_private_json(os.path.join(self.dir, NOTICES), seen)
+
+    def lock(self) -> None:
+        """One agent per state dir (flock: a killed agent lets go by itself)."""
+        fd = os.open(os.path.join(self.dir, "agent.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise SnapguardError(Reason.USAGE_ERROR, f"another snapguard agent runs on {self.dir}") from None
+        self._lock_fd = fd
+
+    # -- restart ---------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Settle what a previous agent left half done (see the module's docstring)."""
+        last: dict[str, dict[str, Any]] = {}
+        for ev in self.read_journal():
+            if ev.get("image"):
+                last[ev["image"]] = ev
+        workloads = self.registry.load()
+        for image, ev in last.items():
+            if ev["event"] != "snapshot_started":
+                continue
+            strays = _end_strays(image)
+            entry = workloads.get(ev.get("key", ""), {})
+            self._bring_back(entry)
+            if os.path.isdir(image) and _marked(image):
+                self.journal("snapshot_sealed", key=ev.get("key"), image=image, notice=ev.get("notice"), recovered=True)
+                self.registry.update(ev["key"], state="snapshotted", image=image, uploaded=False)
+                self.log(f"recovered: the image {image} of {ev.get('key')} was sealed before the restart")
+                continue
+            self._discard(image, "no completion marker: the agent stopped mid-snapshot")
+            intact = self._alive(entry)
+            failure = Failure(Reason.AGENT_SNAPSHOT_INTERRUPTED,
+                              f"{ev.get('key')}: the agent stopped while snapshotting into {image}; "
+                              + ("the workload still runs and is snapshotted again while its notice is open"
+                                 if intact else "the workload is gone; resume it from its file checkpoint "
+                                 f"{entry.get('file_checkpoint') or '(none registered)'}"),
+                              workload_intact=intact, evidence={"image": image, "strays_killed": strays})
+            self.journal("snapshot_interrupted", key=ev.get("key"), notice=ev.get("notice"), record=failure.to_dict())
+            self.log(failure.message)
+            if not intact and ev.get("key") in workloads:
+                self.registry.update(ev["key"], state="lost", reason=failure.reason.name)
+        # an unmarked image nobody journalled (killed between mkdir and the journal line): never kept
+        for name in os.listdir(self.images):
+            path = os.path.join(self.images, name)
+            if os.path.isdir(path) and not os.path.islink(path) and not _marked(path):
+                self._discard(path, "no completion marker")
+        # notices whose handling did not finish: act again (workloads already snapshotted are skipped)
+        for nid, rec in self._notices().items():
+            if rec.get("status") != "done":
+                self.log(f"notice {nid} was not finished before the restart: acting on it again")
+                self._queue.put(Notice.from_dict(rec["notice"]))
+        if self.store_url:
+            for key, w in self.registry.load().items():
+                if w.get("state") == "snapshotted" and not w.get("uploaded") and w.get("image") and _marked(w["image"]):
+                    self._upload(key, w)
+
+    def _bring_back(self, entry: dict[str, Any]) -> None:
+        """After a killed snapshot: a container CRIU froze is thawed, CUDA processes run again."""
+        if entry.get("kind") == "container":
+            from .. import pipeline
+
+            runner = pipeline.RuncRunner(self.config.runc, [], root=entry.get("root"), container_id=entry["container"])
+            runner.status_before = "running"
+            try:
+                runner.after_failed_dump()
+            except SnapguardError:
+                pass
+            return
+        pid = entry.get("pid")
+        if not pid or not self._alive(entry):
+            return
+        try:
+            from .. import gpu_suspend, procfs
+
+            inv = procfs.inventory(procfs.process_tree(pid))
+            cuda = [p.pid for p in inv.cuda_processes()]
+            if cuda:
+                self.log(f"CUDA processes {cuda} of pid {pid}: {gpu_suspend.resume(cuda)}")
+        except Exception as e:  # best effort: the workload itself runs
+            self.log(f"could not check CUDA state of pid {pid}: {failure_from(e).message}")
+
+    def _discard(self, image: str, why: str) -> None:
+        shutil.rmtree(image, ignore_errors=True)
+        self.journal("discarded", image=image, why=why)
+        self.log(f"discarded {image}: {why}")
+
+    def _alive(self, entry: dict[str, Any]) -> bool:
+        if entry.get("kind") == "pid":
+            return _start_time(int(entry["pid"])) == entry.get("start_time")
+        if entry.get("kind") == "container":
+            from .. import runc
+
+            try:
+                return runc.state(self.config.runc, entry.get("root"), entry["container"]).get("status") in (
+                    "running", "paused")
+            except SnapguardError:
+                return False
+        return False
+
+    # -- acting on a notice ----------------------------------------------------------------------
+    def handle(self, notice: Notice) -> bool:
+        """Act on a notice once: False when its id was seen before and its handling finished."""
+        seen = self._notices()
+        rec = seen.get(notice.id)
+        self._consume_inbox(notice)
+        if rec is not None and rec.get("status") == "done":
+            self.log(f"notice {notice.id} seen before: nothing to do")
+            return False
+        if rec is None:
+            seen[notice.id] = {"notice": notice.to_dict(), "status": "acting", "first_seen": time.time()}
+            self._save_notices(seen)  # before acting: a restart must not act on it as new
+            self.journal("noticed", notice=notice.id, source=notice.source, kind=notice.kind, detail=notice.detail,
+                         deadline=notice.deadline, lead_s=notice.lead_s)
+            lead = f", {notice.lead_s:.0f} s left" if notice.lead_s is not None else ""
+            self.log(f"notice {notice.id} from {notice.source}: {notice.detail}{lead}")
+        for key, w in sorted(self.registry.load().items()):
+            if w.get("state") != "protected":
+                continue
+            if not self._alive(w):
+                self.journal("workload_gone", key=key, notice=notice.id)
+                self.registry.update(key, state="gone")
+                self.log(f"{key} (job {w.get('job')}) no longer runs: not snapshotted")
+                continue
+            image = self._snapshot(key, w, notice)
+            if image and self.store_url:
+                self._upload(key, {**w, "image": image})
+        seen = self._notices()
+        seen[notice.id]["status"] = "done"
+        seen[notice.id]["done"] = time.time()
+        self._save_notices(seen)
+        self.journal("notice_done", notice=notice.id)
+        return True
+
+    def _consume_inbox(self, notice: Notice) -> None:
+        path = (notice.raw or {}).get("path") if notice.source == "local" and isinstance(notice.raw, dict) else None
+        if path and os.path.dirname(path) == self.inbox:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _runner(self, w: dict[str, Any], image: str) -> Any:
+        from .. import pipeline
+
+        if w["kind"] == "pid":
+            return pipeline.CriuRunner(self.config.criu, int(w["pid"]))
+        from .. import runc
+
+        root = w.get("root")
+        args = [*(["--root", root] if root else []), "checkpoint", "--image-path", image, "--work-path", image,
+                w["container"]]
+        if runc.version(self.config.runc, self.config.state_dir) < runc.CRIU_BY_PATH:
+            args = ["--criu", self.config.criu, *args]
+        return pipeline.RuncRunner(self.config.runc, args, root=root, container_id=w["container"])
+
+    def _snapshot(self, key: str, w: dict[str, Any], notice: Notice) -> str | None:
+        from .. import pipeline
+
+        digest = hashlib.sha256(notice.id.encode()).hexdigest()[:12]
+        name = f"{_safe(w['job'])}-{_safe(key.replace(':', '-'))}-{digest}"
+        image = os.path.join(self.images, name)
+        if os.path.lexists(image):
+            if _marked(image):
+                self.registry.update(key, state="snapshotted", image=image, uploaded=False)
+                return image
+            self._discard(image, "an unmarked image of an earlier attempt")
+        self.journal("snapshot_started", key=key, image=image, notice=notice.id, job=w["job"])
+        self.log(f"snapshotting {key} (job {w['job']}) into {image}, stopping it")
+        start = time.monotonic()
+        try:
+            req = pipeline.Request(image, leave_running=False, timeouts=pipeline.Timeouts.from_config(self.config))
+            result = pipeline.checkpoint(self._runner(w, image), req, self.config)
+        except Exception as e:
+            failure = failure_from(e)
+            if os.path.isdir(image) and not _marked(image):
+                self._discard(image, f"snapshot failed: {failure.reason.name}")
+            intact = self._alive(w)
+            self.journal("snapshot_failed", key=key, image=image, notice=notice.id,
+                         record={**failure.to_dict(), "workload_intact": intact})
+            self.log(f"{key} not snapshotted ({'still running' if intact else 'gone'}): {failure.message}")
+            if not intact:
+                self.registry.update(key, state="lost", reason=failure.reason.name)
+            return None
+        took = time.monotonic() - start
+        self.journal("snapshot_sealed", key=key, image=image, notice=notice.id, seconds=round(took, 3),
+                     image_bytes=result.get("image_bytes"))
+        self.registry.update(key, state="snapshotted", image=image, uploaded=False, notice=notice.id)
+        self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s)")
+        return image
+
+    def _upload(self, key: str, w: dict[str, Any]) -> None:
+        image = w["image"]
+        name = os.path.basename(image)
+        if not _marked(image):  # never upload what is not whole
+            self._discard(image, "no completion marker at upload")
+            return
+        try:
+            import importlib
+
+            store_mod = importlib.import_module("snapguard.store")
+        except ImportError as e:
+            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"snapguard.store is not available ({e}); the sealed image "
+                              f"stays at {image}", evidence={"image": image})
+            self.journal("upload_skipped", key=key, image=image, record=failure.to_dict())
+            self.log(failure.message)
+            return
+        self.journal("upload_started", key=key, image=image, store=self.store_url)
+        last = [0.0]
+
+        def progress(*args: Any, **kw: Any) -> None:
+            if time.monotonic() - last[0] >= 1.0:
+                last[0] = time.monotonic()
+                self.log(f"uploading {name}: {' '.join(map(str, args))} {kw or ''}".rstrip())
+
+        start = time.monotonic()
+        try:
+            store = store_mod.open_store(self.store_url)
+            out = _put(store_mod, store, image, w, name, progress)
+        except Exception as e:
+            f = failure_from(e)
+            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{name} to {self.store_url}: {f.message}",
+                              evidence={"image": image, "cause": f.reason.name})
+            self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
+            self.log(failure.message)
+            return
+        self.journal("uploaded", key=key, image=image, store=self.store_url, seconds=round(time.monotonic() - start, 3),
+                     result=out if isinstance(out, (str, int, float, dict, list, type(None))) else str(out))
+        self.registry.update(key, uploaded=True)
+        self.log(f"uploaded {name} to {self.store_url} in {time.monotonic() - start:.2f} s")
+
+    # -- polling ---------------------------------------------------------------------------------
+    def _note_source(self, name: str, error: str | None) -> None:
+        if self._source_state.get(name, "") != error:
+            self._source_state[name] = error
+            self.log(error if error else f"source {name} answers")
+            self.journal("source", source=name, error=error)
+
+    def poll_once(self) -> list[Notice]:
+        """Each source once (each bounded by the interval): the notices read. Errors are logged."""
+        notices = []
+        for src in self.sources:
+            try:
+                n = src.poll(time.monotonic() + max(self.interval_s, 1.0))
+            except Exception as e:
+                self._note_source(src.name, failure_from(e).message)
+                continue
+            self._note_source(src.name, None)
+            if n is not None:
+                notices.append(n)
+        return notices
+
+    def _watch(self, src: Source) -> None:
+        last_id = None  # a source answers the same notice on every poll: queued once (handle dedupes too)
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                n = src.poll(start + max(self.interval_s, 1.0))
+            except Exception as e:
+                self._note_source(src.name, failure_from(e).message)
+                n = None
+            else:
+                self._note_source(src.name, None)
+            if n is not None and (n.id != last_id or src.name == "local"):  # the inbox file goes once handled
+                last_id = n.id
+                self._queue.put(n)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - start)))
+
+    def run(self, once: bool = False) -> int:
+        self.lock()
+        self.journal("agent_started", pid=os.getpid(), sources=[s.name for s in self.sources], store=self.store_url)
+        self.log(f"started (pid {os.getpid()}), sources {', '.join(s.name for s in self.sources) or 'none'}, "
+                 f"store {self.store_url or 'none: images stay in ' + self.images}")
+        self.recover()
+        if once:
+            while not self._queue.empty():
+                self.handle(self._queue.get())
+            for n in self.poll_once():
+                self.handle(n)
+            return 1 if any(self._source_state.values()) else 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        for src in self.sources:
+            threading.Thread(target=self._watch, args=(src,), name=f"notice-{src.name}", daemon=True).start()
+        while not self._stop.is_set():
+            try:
+                n = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.handle(n)
+        self.log("stopping")
+        return 0
+
+
+def local_source(config: Config) -> Local:
+    return Local(os.path.join(agent_dir(config), INBOX))

@@ -1,0 +1,176 @@
+"""`snapguard agent`, `snapguard notice` and `snapguard protect`: their parsers and commands
+(snapguard.cli adds them to its own)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ..reasons import Reason, SnapguardError
+from ._sources import AWS_URL, AZURE_URL, GCE_URL, K8S_CA, K8S_TOKEN, K8S_URL, SOURCE_NAMES
+
+__all__ = ["COMMANDS", "add_parsers"]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return value
+
+
+AGENT_EPILOG = """\
+sources (--source, repeatable; default: local only):
+  aws    EC2 spot instance-action through IMDSv2 (token first), 2 minutes' lead
+  gce    GCE instance/preempted (watched with wait_for_change) and maintenance-event
+  azure  Azure Scheduled Events, Preempt (and Terminate)
+  k8s    a pod's DisruptionTarget condition (--k8s-pod) and/or its node being drained (--k8s-node)
+  local  the inbox `snapguard notice` writes to (always watched)
+
+On a notice the agent takes one stopping snapshot of each workload `snapguard protect` registered,
+into --images (a private local directory), then, with --store URL, puts it into the image store.
+A notice seen twice is acted on once; the journal in <state_dir>/agent/journal.jsonl records every
+step, and a restarted agent discards an image left without its completion marker.
+Exit (--once): 0 done, 1 a source could not be read (typed line), 2 usage or configuration.
+"""
+
+
+def add_parsers(sub: Any) -> None:
+    ag = sub.add_parser("agent", help="the node agent: snapshot protected workloads on a reclaim notice",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AGENT_EPILOG,
+                        description=("Watch notice sources and, on a reclaim notice, snapshot (and stop) every "
+                                     "workload registered with `snapguard protect`, once per notice. Runs until "
+                                     "stopped (packaging/systemd/snapguard-agent.service), or one round with --once."))
+    ag.add_argument("--source", action="append", choices=SOURCE_NAMES, default=[], metavar="NAME",
+                    help=f"a notice source to watch: {', '.join(SOURCE_NAMES)} (repeatable)")
+    ag.add_argument("--store", metavar="URL", help="image store URL (snapguard.store); without it images stay local")
+    ag.add_argument("--images", metavar="DIR", help="where images are written (default <state_dir>/agent/images; "
+                                                      "the state dir is often tmpfs: give a disk for large images)")
+    ag.add_argument("--interval", type=_seconds, default=5.0, metavar="S",
+                    help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
+    ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
+                                                         "act, exit")
+    ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
+    ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
+    ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
+    ag.add_argument("--k8s-url", default=K8S_URL, metavar="URL", help=f"API server (default {K8S_URL})")
+    ag.add_argument("--k8s-node", metavar="NAME", default=os.environ.get("NODE_NAME"),
+                    help="this node's name: a drain (cordon, autoscaler taint) is a notice (default $NODE_NAME)")
+    ag.add_argument("--k8s-pod", metavar="NS/NAME", help="a pod whose DisruptionTarget condition is a notice")
+    ag.add_argument("--k8s-node-condition", action="append", default=[], metavar="TYPE",
+                    help="a node condition type whose status True is a notice (repeatable)")
+    ag.add_argument("--k8s-token-file", default=K8S_TOKEN, metavar="PATH", help=f"bearer token (default {K8S_TOKEN})")
+    ag.add_argument("--k8s-ca-file", default=K8S_CA, metavar="PATH", help=f"API server CA (default {K8S_CA})")
+
+    no = sub.add_parser("notice", help="give the local agent a reclaim notice (operators, drains)",
+                        description=("Write a notice into the agent's inbox (<state_dir>/agent/inbox, atomically); "
+                                     "the running agent snapshots the protected workloads on it. The same --id "
+                                     "twice is acted on once."))
+    no.add_argument("--reason", default="operator notice", metavar="TEXT", help="why (journalled)")
+    no.add_argument("--id", metavar="ID", help="the notice's id (default: a new one)")
+    no.add_argument("--lead", type=_seconds, metavar="S", help="seconds before the node goes (informational)")
+    no.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+    pr = sub.add_parser("protect", help="register a workload for the agent to snapshot on a notice",
+                        description=("Add a bare process tree (--pid) or a runc container (--container, --root) "
+                                     "to the agent's registry (<state_dir>/agent/registry.json, root only), "
+                                     "remove it (--remove) or list the registry (--list)."))
+    what = pr.add_mutually_exclusive_group()
+    what.add_argument("--pid", type=int, metavar="PID", help="root of a bare process tree")
+    what.add_argument("--container", metavar="ID", help="a runc container id")
+    pr.add_argument("--root", metavar="DIR", help="runc --root for --container (containerd: /run/containerd/runc/NS)")
+    pr.add_argument("--job", metavar="J", help="the job's name (the image's name in the store)")
+    pr.add_argument("--file-checkpoint", metavar="PATH", help="the job's file checkpoint: the fallback when no "
+                                                                "snapshot can be taken (journalled)")
+    pr.add_argument("--epoch", type=int, metavar="N", help="the fencing epoch this attempt of the job holds (its "
+                                                            "uploads are refused once a newer one is taken)")
+    pr.add_argument("--remove", action="store_true", help="remove --pid or --container from the registry")
+    pr.add_argument("--list", action="store_true", help="list the registry")
+    pr.add_argument("--json", action="store_true", help="print as JSON")
+
+
+def _sources(args: argparse.Namespace, config: Any) -> list[Any]:
+    from . import _sources as s
+    from ._agent import local_source
+
+    out: list[Any] = [local_source(config)]
+    for name in dict.fromkeys(args.source):
+        if name == "aws":
+            out.append(s.AwsSpot(args.aws_url))
+        elif name == "gce":
+            out.append(s.Gce(args.gce_url))
+        elif name == "azure":
+            out.append(s.Azure(args.azure_url))
+        elif name == "k8s":
+            out.append(s.Kubernetes(args.k8s_url, node=args.k8s_node, pod=args.k8s_pod,
+                                    token_file=args.k8s_token_file or None, ca_file=args.k8s_ca_file or None,
+                                    node_conditions=tuple(args.k8s_node_condition)))
+    return out
+
+
+def _root_only(what: str) -> None:
+    if os.geteuid() != 0:
+        raise SnapguardError(Reason.INSUFFICIENT_PRIVILEGE, f"{what} needs root (the agent's state is root's alone)")
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from ..config import load
+    from ._agent import Agent
+
+    _root_only("snapguard agent")
+    config = load()
+    agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    return agent.run(once=args.once)
+
+
+def cmd_notice(args: argparse.Namespace) -> int:
+    from ..config import load
+    from ._agent import post_notice
+
+    _root_only("snapguard notice")
+    path = post_notice(load(), args.reason, notice_id=args.id, lead_s=args.lead)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    print(json.dumps({**doc, "path": path}) if args.json else f"snapguard notice {doc['id']} posted ({path})")
+    return 0
+
+
+def cmd_protect(args: argparse.Namespace) -> int:
+    from ..config import load
+    from ._agent import Registry, agent_dir
+
+    _root_only("snapguard protect")
+    registry = Registry(agent_dir(load()))
+    if args.list:
+        w = registry.load()
+        if args.json:
+            print(json.dumps(w, indent=2, sort_keys=True))
+        else:
+            for key, e in sorted(w.items()):
+                print(f"{key}\tjob {e.get('job')}\t{e.get('state')}\t{e.get('image') or ''}".rstrip())
+        return 0
+    if args.pid is None and args.container is None:
+        raise SnapguardError(Reason.USAGE_ERROR, "protect needs --pid or --container (or --list)")
+    key = f"pid:{args.pid}" if args.pid is not None else f"container:{args.container}"
+    if args.remove:
+        if not registry.remove(key):
+            raise SnapguardError(Reason.USAGE_ERROR, f"{key} is not registered")
+        print(json.dumps({"removed": key}) if args.json else f"snapguard protect: {key} removed")
+        return 0
+    if not args.job:
+        raise SnapguardError(Reason.USAGE_ERROR, "protect needs --job")
+    fc = os.path.abspath(args.file_checkpoint) if args.file_checkpoint else None
+    entry = (registry.add_pid(args.pid, args.job, fc, args.epoch) if args.pid is not None
+             else registry.add_container(args.container, args.root, args.job, fc, args.epoch))
+    print(json.dumps(entry, sort_keys=True) if args.json else f"snapguard protect: {key} (job {args.job}) registered")
+    return 0
+
+
+COMMANDS = {"agent": cmd_agent, "notice": cmd_notice, "protect": cmd_protect}

@@ -1,0 +1,159 @@
+"""Images off the node: push a sealed image to a store, pull one, and restore from a store on
+another node, fenced.
+
+A restore from a store fetches the image into a private directory, every span checked against
+the manifest as it arrives, takes the job's next fencing epoch (one restore of a race wins, the
+other is FENCED and changes nothing), and restores it through the one sequence without reading
+the image a second time: the digests computed while it was written are handed to verification,
+bound to the files' inodes. A refusal names the job's file checkpoint, when one is known, so the
+caller can fall back knowing why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TextIO
+
+from ..config import Config
+from ..reasons import Reason, SnapguardError
+from ._request import Request, Timeouts
+from ._runners import CriuRunner
+from ._sequence import restore
+
+__all__ = ["node_epoch", "pull_image", "push_image", "restore_from"]
+
+
+def _store_job(store: Any, job: str | None) -> str:
+    if job:
+        return job
+    jobs = store.jobs()
+    if len(jobs) != 1:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--job is needed: the store holds {len(jobs)} jobs"
+                             + (f" ({', '.join(jobs[:5])})" if jobs else ""))
+    return str(jobs[0])
+
+
+def _store_image(store: Any, job: str, name: str | None) -> Any:
+    from ..store import ImageRef
+
+    if name:
+        return ImageRef(store.url, job, name, True)
+    ref = store.newest(job)
+    if ref is None:
+        partial = store.images(job, whole_only=False)
+        if partial:
+            raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"job {job} has {len(partial)} image(s) in {store.url}, "
+                                 "none with its completion marker: every upload was interrupted",
+                                 evidence={"store": store.url, "images": [r.name for r in partial]})
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"job {job} has no image in {store.url}",
+                             evidence={"store": store.url})
+    return ref
+
+
+def _epoch_file(config: Config, job: str) -> str:
+    return os.path.join(config.state_dir, "store-epochs", f"{job}.json")
+
+
+def node_epoch(config: Config | None, job: str, images: str) -> int:
+    """This node's fencing epoch of a job: the one its last `restore --from` took, else the
+    image manifest's `fence_epoch`, else 0."""
+    sources = ([(_epoch_file(config, job), "epoch")] if config is not None else []) + \
+        [(os.path.join(images, "snapguard-manifest.json"), "fence_epoch")]
+    for path, key in sources:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as f:
+                value = json.loads(f.read(1 << 20)).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 0
+
+
+def push_image(images: str, url: str, *, job: str | None = None, name: str | None = None,
+               epoch: int | None = None, config: Config | None = None,
+               progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Upload a sealed image; refused with FENCED, writing nothing, when the job was restored
+    elsewhere under a newer epoch than this node's."""
+    from ..store import Progress, open_store
+
+    images = os.path.abspath(images)
+    job = job or os.path.basename(images)
+    epoch = node_epoch(config, job, images) if epoch is None else epoch
+    ref = open_store(url).push(images, job, name=name, epoch=epoch, progress=Progress(stream=progress_stream))
+    return {"ok": True, "operation": "push", "job": ref.job, "image": ref.name, "url": ref.url, "epoch": epoch}
+
+
+def pull_image(url: str, images: str, *, job: str | None = None, image: str | None = None,
+               progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Fetch a whole image, every byte checked against the manifest as it arrives."""
+    from ..store import Progress, open_store
+
+    store = open_store(url)
+    job = _store_job(store, job)
+    pulled = store.pull(_store_image(store, job, image), images, progress=Progress(stream=progress_stream))
+    return {"ok": True, "operation": "pull", "job": job, "image": pulled.ref.name, "images": pulled.image_dir,
+            "bytes": pulled.bytes, "seconds": pulled.seconds, "epoch": pulled.ref.epoch}
+
+
+def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
+                 images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
+                 progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Fetch, fence and restore; SnapguardError on any refusal, its evidence naming the job's
+    file checkpoint (`file_checkpoint`, else the newest registered in the store) when known."""
+    fallback = file_checkpoint
+    try:
+        from .. import trust
+        from ..files import ensure_private_dir, write_private_json
+        from ..store import Progress, open_store
+
+        store = open_store(url)
+        job = _store_job(store, job)
+        if fallback is None:
+            try:
+                fallback = store.newest_file_checkpoint(job)
+            except SnapguardError:
+                fallback = None
+        seen = store.current_epoch(job)  # before the fetch: a restore racing this one saw the same
+        ref = _store_image(store, job, image)
+        dest = os.path.abspath(images) if images else \
+            trust.private_tempdir(os.path.join(config.state_dir, "pulled"), f"{job}-{ref.name}-")
+        pulled = store.pull(ref, dest, progress=Progress(stream=progress_stream))
+        try:
+            epoch = store.take_epoch(job, expect=seen, note={"image": ref.name})
+        except SnapguardError:
+            import shutil
+
+            shutil.rmtree(pulled.image_dir, ignore_errors=True)  # the loser changes nothing
+            raise
+        epoch_file = _epoch_file(config, job)
+        ensure_private_dir(os.path.dirname(epoch_file))
+        write_private_json(epoch_file, {"job": job, "epoch": epoch, "store": store.url, "image": ref.name,
+                                        "images": pulled.image_dir})
+        req = Request(pulled.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
+                      verified_digests=_bound(pulled.image_dir, pulled.digests))
+        result = restore(CriuRunner(config.criu), req, config)
+    except SnapguardError as e:
+        if fallback:
+            e.failure.evidence["file_checkpoint"] = fallback
+        if job:
+            e.failure.evidence.setdefault("job", job)
+        raise
+    result.update({"fence_epoch": epoch, "store": store.url, "job": job, "store_image": ref.name,
+                   "fetch": {"bytes": pulled.bytes, "seconds": pulled.seconds}})
+    return result
+
+
+def _bound(image_dir: str, digests: dict[str, str]) -> tuple[tuple[str, str, int, int], ...]:
+    """The digests computed while the files were written, bound to their inodes: verification may
+    skip a file only while it is that very file (in a directory made root-only for the pull)."""
+    out = []
+    for name, digest in digests.items():
+        try:
+            st = os.lstat(os.path.join(image_dir, name))
+        except OSError:
+            continue
+        out.append((name, digest, st.st_dev, st.st_ino))
+    return tuple(out)

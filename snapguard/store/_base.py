@@ -1,0 +1,470 @@
+"""What every image store does, over five primitives each backend implements.
+
+Layout under the store's root (a directory or a bucket prefix):
+
+    <job>/epochs/<n, 12 digits>                 one object per restore of the job (fencing)
+    <job>/images/<name>/<file>                  the image's files, as the manifest lists them
+    <job>/images/<name>/snapguard-manifest.json
+    <job>/images/<name>/snapguard-store.json    the store's record: fencing epoch, sizes, source
+    <job>/images/<name>/snapguard-complete.json written last, with a create-only put
+    <job>/file-checkpoints/<name>.json          file checkpoints registered with the job
+
+The whole-image rule: an image counts only when its marker is there, and the marker is put only
+after every file, the manifest and the store record are, each verified against the manifest's
+digests as it was read for the upload. A reader refuses an image without a marker
+(UPLOAD_INCOMPLETE) and verifies every byte against the manifest as it arrives (IMAGE_CORRUPT).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable
+
+from .. import image, trust
+from ..files import write_private_bytes
+from ..names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
+from ..reasons import Reason, SnapguardError
+from . import _fencing
+from ._digest import combine
+
+__all__ = ["ImageRef", "Progress", "Pulled", "Store", "STORE_RECORD"]
+
+log = logging.getLogger("snapguard.store")
+
+STORE_RECORD = "snapguard-store.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_SMALL_CAP = 64 << 20  # the largest manifest image.py accepts
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise SnapguardError(Reason.USAGE_ERROR, f"{kind} name {name!r} is not one a store accepts "
+                             "(letters, digits, '.', '_', '-'; at most 128)")
+    return name
+
+
+def new_image_name() -> str:
+    """Sortable by time: the newest whole image is the last name."""
+    t = time.time()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+class Progress:
+    """Bytes moved, rate and ETA of one transfer: logged (logger snapguard.store, for the agent's
+    log) and, given a stream (`--progress` on a terminal), drawn on one line. `deadline_s`: past it
+    the next update raises STORE_TOO_SLOW. `callback(dict)` is called on every report."""
+
+    def __init__(self, total: int = 0, *, label: str = "", stream: IO[str] | None = None,
+                 interval_s: float = 1.0, deadline_s: float | None = None,
+                 callback: Callable[[dict[str, Any]], None] | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        self.total, self.label, self.stream = total, label, stream
+        self.interval_s, self.deadline_s, self.callback, self.on_bytes = interval_s, deadline_s, callback, on_bytes
+        self.done = 0
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def start(self, total: int, label: str) -> None:
+        with self._lock:
+            self.total, self.label, self.done, self.t0, self._last = total, label, 0, time.monotonic(), 0.0
+
+    def state(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 and self.total >= self.done else None
+        return {"label": self.label, "bytes": self.done, "total": self.total, "elapsed_s": round(elapsed, 3),
+                "rate_bps": rate, "eta_s": eta}
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            report = now - self._last >= self.interval_s or self.done >= self.total
+            if report:
+                self._last = now
+        if self.on_bytes is not None:
+            self.on_bytes(self.done)
+        if self.deadline_s is not None and time.monotonic() - self.t0 > self.deadline_s:
+            s = self.state()
+            raise SnapguardError(Reason.STORE_TOO_SLOW, f"{self.label}: {s['bytes']} of {s['total']} bytes in "
+                                 f"{s['elapsed_s']:.1f} s, past the {self.deadline_s:g} s deadline",
+                                 evidence={"progress": s})
+        if report:
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        s = self.state()
+        eta = f"{s['eta_s']:.0f} s" if s["eta_s"] is not None else "?"
+        line = (f"{s['label']}: {s['bytes'] >> 20}/{s['total'] >> 20} MiB, {s['rate_bps'] / 2**20:.1f} MiB/s, "
+                f"ETA {eta}")
+        log.info("%s", line)
+        if self.callback is not None:
+            self.callback(s)
+        if self.stream is not None:
+            self.stream.write("\r" + line + ("\n" if final else ""))
+            self.stream.flush()
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a job in a store; `complete`: its marker is there."""
+
+    store_url: str
+    job: str
+    name: str
+    complete: bool
+    epoch: int | None = None  # the fencing epoch it was pushed under (from its store record)
+
+    @property
+    def url(self) -> str:
+        return f"{self.store_url.rstrip('/')}/{self.job}/images/{self.name}"
+
+
+@dataclass
+class Pulled:
+    """An image fetched into a local directory, every file verified as it was read."""
+
+    ref: ImageRef
+    image_dir: str
+    manifest: dict[str, Any]
+    digests: dict[str, str]  # name -> manifest digest, computed from the bytes written
+    record: dict[str, Any] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Store:
+    """An image store. Backends implement the primitives (`_put`, `_put_new`, `_get`, `_list`,
+    `_delete`, `_upload`, `_download`); keys are '/'-separated, relative to the store's root."""
+
+    scheme = ""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    # ---- primitives -------------------------------------------------------------------------
+    def _put(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _put_new(self, key: str, data: bytes) -> bool:
+        """Create `key` atomically; False when it exists (nothing changed)."""
+        raise NotImplementedError
+
+    def _get(self, key: str, cap: int = _SMALL_CAP) -> bytes | None:
+        raise NotImplementedError
+
+    def _list(self, prefix: str) -> list[str]:
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
+        """Put the `size` bytes of fd as `key`; the sha256 of each 64 MiB span as read."""
+        raise NotImplementedError
+
+    def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
+        """Write `key` (expected `size` bytes) into out_fd; the sha256 of each span as it arrived."""
+        raise NotImplementedError
+
+    # ---- fencing ----------------------------------------------------------------------------
+    def take_epoch(self, job: str, expect: int | None = None, note: dict[str, Any] | None = None) -> int:
+        return _fencing.take_epoch(self, check_name("job", job), expect, note)
+
+    def current_epoch(self, job: str) -> int:
+        return _fencing.current_epoch(self, check_name("job", job))
+
+    def check_epoch(self, job: str, epoch: int) -> None:
+        _fencing.check_epoch(self, check_name("job", job), epoch)
+
+    # ---- listing ----------------------------------------------------------------------------
+    def jobs(self) -> list[str]:
+        return sorted({k.split("/", 1)[0] for k in self._list("") if "/" in k})
+
+    def images(self, job: str, *, whole_only: bool = True) -> list[ImageRef]:
+        """The job's images, oldest first (names sort by time); only whole ones unless told."""
+        prefix = f"{check_name('job', job)}/images/"
+        names: dict[str, bool] = {}
+        for key in self._list(prefix):
+            rest = key[len(prefix):]
+            if "/" not in rest:
+                continue
+            name, member = rest.split("/", 1)
+            names[name] = names.get(name, False) or member == MARKER_NAME
+        refs = []
+        for name in sorted(names):
+            if whole_only and not names[name]:
+                continue
+            epoch = None
+            if names[name]:
+                epoch = self._record(job, name).get("epoch")
+            refs.append(ImageRef(self.url, job, name, names[name], epoch if isinstance(epoch, int) else None))
+        return refs
+
+    def newest(self, job: str) -> ImageRef | None:
+        whole = self.images(job)
+        return whole[-1] if whole else None
+
+    def _record(self, job: str, name: str) -> dict[str, Any]:
+        data = self._get(f"{job}/images/{name}/{STORE_RECORD}", 1 << 20)
+        try:
+            record = json.loads(data) if data else {}
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    # ---- file checkpoints -------------------------------------------------------------------
+    def register_file_checkpoint(self, job: str, location: str) -> str:
+        """Record a whole file checkpoint (a path or URL) of the job; the newest is the fallback."""
+        name = new_image_name()
+        data = json.dumps({"location": location, "time": time.time(), "host": socket.gethostname()}).encode()
+        if not self._put_new(f"{check_name('job', job)}/file-checkpoints/{name}.json", data):
+            raise SnapguardError(Reason.STORE_UNREACHABLE, f"file checkpoint record {name} already exists")
+        return name
+
+    def newest_file_checkpoint(self, job: str) -> str | None:
+        keys = sorted(k for k in self._list(f"{check_name('job', job)}/file-checkpoints/") if k.endswith(".json"))
+        for key in reversed(keys):
+            try:
+                location = json.loads(self._get(key, 1 << 20) or b"{}").get("location")
+            except ValueError:
+                continue
+            if isinstance(location, str) and location:
+                return location
+        return None
+
+    # ---- push -------------------------------------------------------------------------------
+    def push(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
+             progress: Progress | None = None) -> ImageRef:
+        """Upload the sealed image in image_dir as the job's image `name` under fencing `epoch`.
+
+        Refused with FENCED before anything is written when a newer epoch exists (and checked
+        again before the marker, the commit point). Every file is verified against the manifest
+        as it is read for the upload; the marker is put last, create-only. On any failure what
+        was put is deleted (best effort); an upload that dies leaves no marker."""
+        job = check_name("job", job)
+        name = check_name("image", name or new_image_name())
+        self.check_epoch(job, epoch)
+        dir_fd = _open_local(image_dir)
+        try:
+            marker, manifest_bytes, manifest = _read_sealed(dir_fd, image_dir)
+            prefix = f"{job}/images/{name}/"
+            if self._list(prefix):
+                raise SnapguardError(Reason.USAGE_ERROR, f"the store already holds image {name} of job {job}")
+            files = manifest["files"]
+            total = sum(int(e["size"]) for e in files.values())
+            progress = progress or Progress()
+            progress.start(total, f"push {job}/{name}")
+            written: list[str] = []
+            try:
+                for fname, entry in sorted(files.items()):
+                    _check_member(fname)
+                    fd = _open_member(dir_fd, image_dir, fname, entry["size"])
+                    try:
+                        written.append(prefix + fname)
+                        digest = combine(self._upload(prefix + fname, fd, entry["size"], progress))
+                    finally:
+                        os.close(fd)
+                    if digest != entry["sha256"]:
+                        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} in {image_dir} has sha256 "
+                                             f"{digest[:16]}..., manifest says {entry['sha256'][:16]}...: not "
+                                             "uploaded", evidence={"image": image_dir, "path": fname})
+                record = {"epoch": epoch, "job": job, "name": name, "files": len(files), "image_bytes": total,
+                          "host": socket.gethostname(), "time": time.time(),
+                          "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+                for key, data in ((prefix + MANIFEST_NAME, manifest_bytes),
+                                  (prefix + STORE_RECORD, json.dumps(record, sort_keys=True).encode())):
+                    written.append(key)
+                    self._put(key, data)
+                self.check_epoch(job, epoch)  # the commit point: a restore elsewhere since? then no marker
+                if not self._put_new(prefix + MARKER_NAME, marker):
+                    raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"image {name} of job {job} was marked by "
+                                         "another writer while this one uploaded it")
+            except BaseException:
+                for key in reversed(written):
+                    try:
+                        self._delete(key)
+                    except Exception:  # best effort: an unmarked leftover never counts
+                        pass
+                raise
+            progress.report(final=True)
+        finally:
+            os.close(dir_fd)
+        return ImageRef(self.url, job, name, True, epoch)
+
+    # ---- pull -------------------------------------------------------------------------------
+    def pull(self, ref: ImageRef | str, dest: str, *, job: str | None = None, progress: Progress | None = None,
+             check_manifest: Callable[[dict[str, Any]], None] | None = None) -> Pulled:
+        """Fetch an image (a ref, or a name with `job`) into `dest`, a new or empty private
+        directory, verifying every byte against the manifest as it arrives; the local marker is
+        written last. No marker in the store: UPLOAD_INCOMPLETE; a byte that differs:
+        IMAGE_CORRUPT, and dest is removed. `check_manifest(manifest)` runs before any file is
+        fetched (a host check refuses there without moving the image)."""
+        if isinstance(ref, str):
+            ref = ImageRef(self.url, check_name("job", job or ""), check_name("image", ref), True)
+        prefix = f"{check_name('job', ref.job)}/images/{check_name('image', ref.name)}/"
+        t0 = time.monotonic()
+        marker = self._get(prefix + MARKER_NAME, 4096)
+        if marker is None:
+            what = "is incomplete (its upload was interrupted or failed)" if self._list(prefix) else "does not exist"
+            raise SnapguardError(Reason.UPLOAD_INCOMPLETE if self._list(prefix) else Reason.IMAGE_INCOMPLETE,
+                                 f"image {ref.name} of job {ref.job} in {self.url} {what}: it has no "
+                                 f"{MARKER_NAME}", evidence={"store": self.url, "image": ref.url})
+        manifest_bytes = self._get(prefix + MANIFEST_NAME)
+        try:
+            expected = json.loads(marker)["manifest_sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"the marker of {ref.url} is unreadable",
+                                 evidence={"image": ref.url}) from None
+        if manifest_bytes is None or hashlib.sha256(manifest_bytes).hexdigest() != expected:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"the manifest of {ref.url} is missing or does not match "
+                                 "its completion marker", evidence={"image": ref.url})
+        try:
+            manifest = json.loads(manifest_bytes)
+        except ValueError:
+            raise SnapguardError(Reason.MANIFEST_INVALID, f"the manifest of {ref.url} is not JSON",
+                                 evidence={"image": ref.url}) from None
+        manifest = image.validate_manifest(manifest, ref.url)
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        for fname in files:
+            _check_member(fname)
+        if check_manifest is not None:
+            check_manifest(manifest)
+        record = self._record(ref.job, ref.name)
+        dest = _make_dest(dest)
+        dir_fd = os.open(dest, _O_DIR)
+        digests: dict[str, str] = {}
+        total = sum(int(e["size"]) for e in files.values())
+        progress = progress or Progress()
+        progress.start(total, f"pull {ref.job}/{ref.name}")
+        try:
+            for fname, entry in sorted(files.items()):
+                fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dir_fd)
+                try:
+                    digest = combine(self._download(prefix + fname, entry["size"], fd, progress))
+                    if os.fstat(fd).st_size != entry["size"]:
+                        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} of {ref.url} has "
+                                             f"{os.fstat(fd).st_size} bytes, manifest says {entry['size']}",
+                                             evidence={"image": ref.url, "path": fname})
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if digest != entry["sha256"]:
+                    raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} of {ref.url} has sha256 "
+                                         f"{digest[:16]}..., manifest says {entry['sha256'][:16]}...",
+                                         evidence={"image": ref.url, "path": fname, "expected": entry["sha256"],
+                                                   "actual": digest})
+                digests[fname] = digest
+            write_private_bytes(os.path.join(dest, MANIFEST_NAME), manifest_bytes)
+            write_private_bytes(os.path.join(dest, MARKER_NAME), marker)  # last: the local copy is whole
+        except BaseException:
+            os.close(dir_fd)
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        os.close(dir_fd)
+        progress.report(final=True)
+        epoch = record.get("epoch")
+        ref = ImageRef(self.url, ref.job, ref.name, True, epoch if isinstance(epoch, int) else None)
+        return Pulled(ref, dest, manifest, digests, record, total, time.monotonic() - t0)
+
+
+def _check_member(name: Any) -> None:
+    """A file name from a manifest that may come from anywhere: one plain component."""
+    if (not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", "..")
+            or name in NOT_IMAGE_FILES or name == STORE_RECORD or name.startswith(".tmp-")):
+        raise SnapguardError(Reason.MANIFEST_INVALID, f"manifest lists {name!r}, which is not an image file name")
+
+
+def _make_dest(dest: str) -> str:
+    """A new or empty directory of root's alone for a pulled image."""
+    try:
+        path = trust.make_private_dir(os.path.abspath(dest))
+    except trust.UntrustedPathError as e:
+        raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={"path": e.path}) from None
+    if os.listdir(path):
+        raise SnapguardError(Reason.USAGE_ERROR, f"{path} is not empty: an image is pulled into a new or empty "
+                             "directory", evidence={"path": path})
+    return path
+
+
+def _open_local(image_dir: str) -> int:
+    try:
+        fd = os.open(image_dir, _O_DIR)
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"image directory {image_dir}: {e.strerror}",
+                             evidence={"image": image_dir}) from None
+    st = os.fstat(fd)
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        os.close(fd)
+        raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {image_dir} is not root's alone",
+                             evidence={"image": image_dir})
+    return fd
+
+
+def _read_small(dir_fd: int, name: str, cap: int) -> bytes | None:
+    try:
+        fd = os.open(name, _O_FILE, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"{name} is not a regular file of at most {cap} bytes")
+        return os.read(fd, cap + 1)
+    finally:
+        os.close(fd)
+
+
+def _read_sealed(dir_fd: int, image_dir: str) -> tuple[bytes, bytes, dict[str, Any]]:
+    """(marker, manifest bytes, validated manifest) of a local image, which must be whole."""
+    marker = _read_small(dir_fd, MARKER_NAME, 4096)
+    if marker is None:
+        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"{image_dir} has no {MARKER_NAME}: not a whole image, "
+                             "nothing pushed", evidence={"image": image_dir})
+    manifest_bytes = _read_small(dir_fd, MANIFEST_NAME, _SMALL_CAP) or b""
+    try:
+        expected = json.loads(marker)["manifest_sha256"]
+        manifest = json.loads(manifest_bytes)
+    except (ValueError, KeyError, TypeError):
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"marker or manifest of {image_dir} is unreadable",
+                             evidence={"image": image_dir}) from None
+    if hashlib.sha256(manifest_bytes).hexdigest() != expected:
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"{MANIFEST_NAME} of {image_dir} does not match its marker",
+                             evidence={"image": image_dir})
+    return marker, manifest_bytes, image.validate_manifest(manifest, image_dir)
+
+
+def _open_member(dir_fd: int, image_dir: str, name: str, size: int) -> int:
+    try:
+        fd = os.open(name, _O_FILE, dir_fd=dir_fd)
+    except OSError as e:
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {name} in {image_dir}: {e.strerror}",
+                             evidence={"image": image_dir, "path": name}) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {name} in {image_dir} is not a regular file of "
+                             f"{size} bytes", evidence={"image": image_dir, "path": name})
+    return fd
+
+
+def terminal_progress(enabled: bool) -> IO[str] | None:
+    """stderr when asked for and a terminal; else None (the log still gets the lines)."""
+    return sys.stderr if enabled and sys.stderr.isatty() else None
+
+

@@ -1,0 +1,189 @@
+"""file://: a directory, typically on a shared file system every node mounts.
+
+Objects are files under the root (directories 0700, files 0600, root's alone). A put writes a
+temporary file in the object's directory, fsyncs it and renames it into place; a create-only put
+links it into place (link(2) fails on an existing name: one winner, and a reader never sees a
+half-written object). Nothing is ever followed through a symlink.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+from .. import trust
+from ..reasons import Reason, SnapguardError
+from ._base import Progress, Store
+from ._digest import SPAN
+
+__all__ = ["FileStore"]
+
+_READ = 4 << 20
+_TMP = ".tmp-"
+
+
+class FileStore(Store):
+    scheme = "file"
+
+    def __init__(self, url: str, root: str) -> None:
+        super().__init__(url)
+        try:
+            self.root = trust.make_private_dir(root)
+        except trust.UntrustedPathError as e:
+            reason = Reason.STORE_UNREACHABLE if e.unusable else Reason.UNTRUSTED_PATH
+            raise SnapguardError(reason, f"store {url}: {e}", evidence={"store": url, "path": e.path}) from None
+
+    def _path(self, key: str) -> str:
+        parts = key.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise SnapguardError(Reason.USAGE_ERROR, f"bad store key {key!r}")
+        return os.path.join(self.root, *parts)
+
+    def _dir_for(self, key: str) -> str:
+        d = os.path.dirname(self._path(key))
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        return d
+
+    def _tmp(self, key: str) -> tuple[str, int]:
+        d = self._dir_for(key)
+        tmp = os.path.join(d, f"{_TMP}{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return tmp, fd
+
+    @staticmethod
+    def _sync_dir(path: str) -> None:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_tmp(self, key: str, data: bytes) -> str:
+        tmp, fd = self._tmp(key)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _put(self, key: str, data: bytes) -> None:
+        tmp = self._write_tmp(key, data)
+        os.replace(tmp, self._path(key))
+        self._sync_dir(tmp)
+
+    def _put_new(self, key: str, data: bytes) -> bool:
+        tmp = self._write_tmp(key, data)
+        try:
+            os.link(tmp, self._path(key), follow_symlinks=False)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._sync_dir(tmp)
+        return True
+
+    def _open(self, key: str) -> int | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is not a regular file")
+        return fd
+
+    def _get(self, key: str, cap: int = 64 << 20) -> bytes | None:
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            if os.fstat(fd).st_size > cap:
+                raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is over {cap} bytes")
+            return os.read(fd, cap + 1)
+        finally:
+            os.close(fd)
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        out = []
+        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in filenames:
+                if f.startswith(_TMP):
+                    continue
+                key = f if rel == "." else f"{rel}/{f}".replace(os.sep, "/")
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    def _delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
+        import hashlib
+
+        tmp, out = self._tmp(key)
+        digests = []
+        try:
+            for off in range(0, max(size, 1), SPAN):
+                h, done, length = hashlib.sha256(), 0, min(SPAN, size - off)
+                while done < length:
+                    block = os.pread(fd, min(_READ, length - done), off + done)
+                    if not block:
+                        break
+                    h.update(block)
+                    view = memoryview(block)
+                    while view:
+                        view = view[os.write(out, view):]
+                    done += len(block)
+                    progress.add(len(block))
+                digests.append(h.digest())
+            os.fsync(out)
+        except BaseException:
+            os.close(out)
+            os.unlink(tmp)
+            raise
+        os.close(out)
+        os.replace(tmp, self._path(key))
+        self._sync_dir(tmp)
+        return digests
+
+    def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
+        import hashlib
+
+        fd = self._open(key)
+        if fd is None:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} is missing from the store",
+                                 evidence={"store": self.url, "key": key})
+        digests = []
+        try:
+            if os.fstat(fd).st_size != size:
+                raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} in the store has "
+                                     f"{os.fstat(fd).st_size} bytes, manifest says {size}",
+                                     evidence={"store": self.url, "key": key})
+            for off in range(0, max(size, 1), SPAN):
+                h, done, length = hashlib.sha256(), 0, min(SPAN, size - off)
+                while done < length:
+                    block = os.pread(fd, min(_READ, length - done), off + done)
+                    if not block:
+                        break
+                    h.update(block)
+                    view = memoryview(block)
+                    while view:
+                        view = view[os.write(out_fd, view):]
+                    done += len(block)
+                    progress.add(len(block))
+                digests.append(h.digest())
+        finally:
+            os.close(fd)
+        return digests

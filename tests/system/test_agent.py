@@ -1,0 +1,241 @@
+"""`snapguard agent` end to end with real CRIU: a protected bare counter snapshotted (stopped) on an
+AWS spot notice served by a loopback IMDSv2, once however often the notice is read; `snapguard
+notice` triggers it; an agent killed mid-snapshot leaves no marked partial image, and once
+restarted the workload is snapshotted (or still running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from snapguard import image
+from snapguard_lab.metadata_servers import AwsImds
+from snapguard_lab.targets import COUNTER, CRIU
+
+EXE = os.path.join(os.path.dirname(sys.executable), "snapguard")
+
+
+def snapguard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+
+
+def wait_for(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    if os.geteuid() != 0:
+        pytest.fail("the agent's tests need root (CRIU)")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+
+
+@pytest.fixture
+def counters(tmp_path: Path):
+    procs = []
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"{name}.log"
+        p = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        procs.append(p)
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 30, f"{name} counting")
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+class AgentProc:
+    def __init__(self, tmp_path: Path, env: dict[str, str], *args: str) -> None:
+        self.state = Path(env["SNAPGUARD_STATE_DIR"]) / "agent"
+        self.log = tmp_path / f"agent-{time.monotonic_ns()}.log"
+        self.proc = subprocess.Popen([EXE, "agent", "--interval", "0.3", *args], env={**os.environ, **env},
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log, "wb"), start_new_session=True)
+
+    def journal(self) -> list[dict]:
+        try:
+            return [json.loads(x) for x in (self.state / "journal.jsonl").read_text().splitlines() if x.strip()]
+        except (FileNotFoundError, ValueError):
+            return []
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in self.journal() if e["event"] == name]
+
+    def wait_event(self, name: str, n: int = 1, timeout: float = 60) -> list[dict]:
+        return wait_for(lambda: len(self.events(name)) >= n and self.events(name), timeout,
+                        f"{n} x {name} in the journal; log: {self.text()[-2000:]}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def images_in(state: Path) -> list[Path]:
+    d = state / "images"
+    return sorted(p for p in d.iterdir() if p.is_dir()) if d.exists() else []
+
+
+def test_aws_notice_snapshots_once_and_local_notice_triggers(tmp_path: Path, env: dict[str, str], counters) -> None:
+    first = counters("first")
+    out = snapguard("protect", "--pid", str(first.pid), "--job", "train-a", "--file-checkpoint",
+                    str(tmp_path / "ckpt.pt"), env=env)
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(snapguard("protect", "--list", "--json", env=env).stdout)
+    assert listed[f"pid:{first.pid}"]["job"] == "train-a" and listed[f"pid:{first.pid}"]["state"] == "protected"
+    with AwsImds() as imds:
+        agent = AgentProc(tmp_path, env, "--source", "aws", "--aws-url", imds.url)
+        try:
+            agent.wait_event("agent_started")
+            time.sleep(1)
+            assert not agent.events("noticed") and first.poll() is None  # no notice: nothing touched
+            imds.arm("terminate", lead_s=120)
+            sealed = agent.wait_event("snapshot_sealed")
+            img = Path(sealed[0]["image"])
+            assert (img / image.MARKER_NAME).exists() and (img / image.MANIFEST_NAME).exists()
+            assert os.stat(img).st_mode & 0o777 == 0o700
+            first.wait(timeout=10)  # a stopping snapshot: the workload is gone
+            noticed = agent.events("noticed")[0]
+            assert noticed["source"] == "aws" and 100 < noticed["lead_s"] <= 120
+            polls = sum(1 for _, p in imds.requests if p.endswith("instance-action"))
+            wait_for(lambda: sum(1 for _, p in imds.requests if p.endswith("instance-action")) >= polls + 4, 20,
+                     "more polls of the same notice")
+            # the same notice, read again and again: one snapshot
+            assert len(agent.events("noticed")) == 1 and len(agent.events("snapshot_started")) == 1
+            assert json.loads(snapguard("protect", "--list", "--json", env=env).stdout)[
+                f"pid:{first.pid}"]["state"] == "snapshotted"
+            # no store configured: the image stays local, and says so
+            assert "store none" in agent.text()
+
+            # an operator's notice (a drain) through `snapguard notice` snapshots what is protected now
+            second = counters("second")
+            assert snapguard("protect", "--pid", str(second.pid), "--job", "train-b", env=env).returncode == 0
+            out = snapguard("notice", "--reason", "drain for maintenance", "--id", "drain-7", "--json", env=env)
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["id"] == "drain-7"
+            agent.wait_event("snapshot_sealed", 2)
+            second.wait(timeout=10)
+            assert snapguard("notice", "--id", "drain-7", env=env).returncode == 0  # the same id again
+            wait_for(lambda: not any((agent.state / "inbox").iterdir()), 10, "inbox consumed")
+            assert len(agent.events("snapshot_started")) == 2 and len(agent.events("noticed")) == 2
+        finally:
+            agent.stop()
+    assert agent.proc.returncode == 0, agent.text()[-2000:]
+    marked = [p for p in images_in(agent.state) if (p / image.MARKER_NAME).exists()]
+    assert len(marked) == 2 and len(images_in(agent.state)) == 2
+
+
+def slow_criu(path: Path, pids: Path, delay_s: float) -> Path:
+    """A root-only stand-in for CRIU whose dump sleeps first (its pid noted), then runs the real one."""
+    path.write_text("#!/bin/sh\n"
+                    'case "$1" in\n'
+                    f'  dump) echo $$ >> "{pids}"; sleep {delay_s} ;;\n'
+                    "esac\n"
+                    f'exec "{CRIU}" "$@"\n')
+    os.chmod(path, 0o700)
+    return path
+
+
+def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str, str], counters) -> None:
+    pids = tmp_path / "criu.pids"
+    wrapper = slow_criu(tmp_path / "criu", pids, 4)
+    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
+    job = counters("job")
+    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-c", env=env).returncode == 0
+    agent = AgentProc(tmp_path, env)
+    try:
+        agent.wait_event("agent_started")
+        assert snapguard("notice", "--reason", "spot", env=env).returncode == 0
+        started = agent.wait_event("snapshot_started")
+        img = Path(started[0]["image"])
+        wait_for(pids.exists, 30, "the slow CRIU started")
+        time.sleep(0.5)
+        agent.proc.send_signal(signal.SIGKILL)  # mid-snapshot: CRIU (its own process group) lives on
+        agent.proc.wait()
+    finally:
+        agent.stop()
+    stray = int(pids.read_text().split()[0])
+    assert os.path.exists(f"/proc/{stray}")  # the orphaned CRIU still waits to dump
+    assert not (img / image.MARKER_NAME).exists()
+    assert job.poll() is None  # still running
+
+    # the restart settles it: the stray CRIU is killed, the unmarked image discarded, the notice
+    # (still open) acted on again
+    again = subprocess.run([EXE, "agent", "--once"], env={**os.environ, **env}, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert not os.path.exists(f"/proc/{stray}") or "Z" in Path(f"/proc/{stray}/stat").read_text().split()[2]
+    assert "snapguard AGENT_SNAPSHOT_INTERRUPTED: " in again.stderr
+    events = [json.loads(x) for x in (agent.state / "journal.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert "snapshot_interrupted" in kinds and "discarded" in kinds
+    interrupted = next(e for e in events if e["event"] == "snapshot_interrupted")
+    assert interrupted["record"]["reason"] == "AGENT_SNAPSHOT_INTERRUPTED" and interrupted["record"]["workload_intact"]
+    # no marked partial image anywhere; the workload is either snapshotted or still running
+    for p in images_in(agent.state):
+        assert (p / image.MARKER_NAME).exists()
+        assert image.verify(str(p)) if hasattr(image, "verify") else True
+    snapshotted = [p for p in images_in(agent.state) if (p / image.MARKER_NAME).exists()]
+    job_done = job.poll() is not None or (job.wait(timeout=10) is not None)
+    assert (snapshotted and job_done) or (not snapshotted and job.poll() is None)
+    assert kinds.count("snapshot_sealed") == 1 and "notice_done" in kinds[kinds.index("snapshot_sealed"):]
+
+
+def test_once_uploads_into_a_file_store(tmp_path: Path, env: dict[str, str], counters) -> None:
+    store_mod = pytest.importorskip("snapguard.store")
+    job = counters("up")
+    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-d", env=env).returncode == 0
+    assert snapguard("notice", "--reason", "test", env=env).returncode == 0
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    out = subprocess.run([EXE, "agent", "--once", "--store", f"file://{store}"], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    job.wait(timeout=10)
+    events = [json.loads(x) for x in (Path(env["SNAPGUARD_STATE_DIR"]) / "agent" / "journal.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.index("snapshot_sealed") < kinds.index("upload_started") < kinds.index("uploaded"), out.stderr
+    refs = store_mod.open_store(f"file://{store}").images("train-d")
+    assert len(refs) == 1 and refs[0].complete
+
+
+def test_typed_errors(tmp_path: Path, env: dict[str, str]) -> None:
+    from tests.unit.test_notice_sources import dead_url
+
+    out = snapguard("protect", "--pid", str(2**22 + 11), "--job", "x", env=env)
+    assert out.returncode == 1 and out.stderr.startswith("snapguard PROCESS_NOT_FOUND: "), out.stderr
+    out = snapguard("protect", "--pid", "1", env=env)
+    assert out.returncode == 2 and out.stderr.startswith("snapguard USAGE_ERROR: ")
+    out = snapguard("agent", "--once", "--source", "k8s", "--k8s-node", "", env=env)
+    assert out.returncode == 2 and out.stderr.startswith("snapguard USAGE_ERROR: "), out.stderr
+    out = snapguard("agent", "--once", "--source", "aws", "--aws-url", dead_url(), "--interval", "1", env=env)
+    assert out.returncode == 1 and "snapguard NOTICE_SOURCE_UNAVAILABLE: aws notice source" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = snapguard("protect", "--remove", "--pid", "12345", env=env)
+    assert out.returncode == 2 and "not registered" in out.stderr

@@ -1,0 +1,315 @@
+"""Image stores (snapguard.store): file:// and s3:// (a real radosgw started here), the whole-image
+rule, verify-while-read, fencing epochs, and restore --from on another "node" (a network namespace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from snapguard import image
+from snapguard.reasons import Reason, SnapguardError
+from snapguard.store import SPAN, Progress, SpanHasher, open_store
+from snapguard_lab.targets import COUNTER
+from snapguard_lab.testbed import MODULUS, expected_hash
+
+SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CRIU, network namespaces)")
+
+
+def values(log: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 2]
+
+
+def wait_lines(log: Path, n: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and len(values(log)) >= n:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"{log} has fewer than {n} lines")
+
+
+def node_env(root: Path) -> dict[str, str]:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.toml").write_text("")
+    return {"SNAPGUARD_CONFIG": str(root / "config.toml"), "SNAPGUARD_STATE_DIR": str(root / "state")}
+
+
+def snapguard(*args: str, env: dict[str, str], preexec=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([SNAPGUARD, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env}, preexec_fn=preexec)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    from snapguard_lab.netns import Nodes
+
+    with Nodes(["a", "b"]) as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def rgw(nodes, tmp_path_factory):
+    from snapguard_lab.netns import HOST_ADDRESS
+    from snapguard_lab.s3 import RadosGW
+
+    if RadosGW.missing():
+        pytest.skip(f"radosgw cannot start here: missing {', '.join(RadosGW.missing())} "
+                    "(apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw ceph-common)")
+    port = random.randrange(17000, 17900)
+    gw = RadosGW(tmp_path_factory.mktemp("rgw"), port=port, mon_port=port + 23000, extra_addresses=(HOST_ADDRESS,))
+    gw.start()
+    saved = {k: os.environ.get(k) for k in gw.env()}
+    os.environ.update({k: v for k, v in gw.env().items() if k != "CEPH_CONF"})
+    try:
+        yield gw
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gw.stop()
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    gw = request.getfixturevalue("rgw")
+    import boto3
+
+    bucket = f"sg-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/snaps"
+
+
+@pytest.fixture(scope="module")
+def sealed(tmp_path_factory) -> Path:
+    """A real image: a leave-running snapshot of a counter, taken once for the module."""
+    root = tmp_path_factory.mktemp("sealed")
+    log = root / "counter.log"
+    proc = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_lines(log, 5)
+        out = snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(root / "img"), "--leave-running",
+                        env=node_env(root / "node"))
+        assert out.returncode == 0, out.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    return root / "img"
+
+
+def reason_of(fn) -> Reason:
+    with pytest.raises(SnapguardError) as e:
+        fn()
+    return e.value.reason
+
+
+def test_span_digest_is_the_manifests(tmp_path: Path) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    sizes = {"empty.img": 0, "one.img": 1, "pages-1.img": SPAN + 5}
+    for name, size in sizes.items():
+        (d / name).write_bytes(os.urandom(min(size, 1 << 20)) * (size // (1 << 20)) + os.urandom(size % (1 << 20)))
+    manifest = image.seal(str(d), {})
+    for name in sizes:
+        h = SpanHasher()
+        data = (d / name).read_bytes()
+        for i in range(0, len(data), 7 << 20):  # chunks that straddle the span boundary
+            h.update(data[i:i + (7 << 20)])
+        assert h.hexdigest() == manifest["files"][name]["sha256"], name
+
+
+def test_round_trip_verified_while_read(store_url: str, sealed: Path, tmp_path: Path) -> None:
+    store = open_store(store_url)
+    seen = []
+    ref = store.push(str(sealed), "job1", progress=Progress(callback=seen.append))
+    assert ref.complete and seen and seen[-1]["bytes"] == seen[-1]["total"] > 0
+    assert store.newest("job1") == ref.__class__(store.url, "job1", ref.name, True, 0)
+    pulled = store.pull(ref, str(tmp_path / "dest"))
+    assert image.verify(pulled.image_dir)["files"] == image.verify(str(sealed))["files"]
+    assert pulled.digests == {n: e["sha256"] for n, e in pulled.manifest["files"].items()}
+    assert os.stat(pulled.image_dir).st_mode & 0o777 == 0o700
+    for f in Path(pulled.image_dir).iterdir():
+        assert f.stat().st_mode & 0o777 == 0o600 and f.read_bytes() == (sealed / f.name).read_bytes()
+    # the CLI: pull into another directory, by the job's only image
+    out = snapguard("pull", "--from", store_url, "--images", str(tmp_path / "cli"), "--json", env=node_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["image"] == ref.name and (tmp_path / "cli" / image.MARKER_NAME).exists()
+
+
+KILLER = """
+import os, signal, sys
+from snapguard.store import Progress, open_store
+def kill(n):
+    if n > (256 << 10):
+        os.kill(os.getpid(), signal.SIGKILL)
+open_store(sys.argv[1]).push(sys.argv[2], "job1", name="killed", progress=Progress(on_bytes=kill))
+"""
+
+
+def test_upload_killed_half_way_is_never_marked(store_url: str, sealed: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", KILLER, store_url, str(sealed)], capture_output=True, timeout=60)
+    assert out.returncode == -9, out.stderr
+    store = open_store(store_url)
+    partial = store.images("job1", whole_only=False)
+    assert [(r.name, r.complete) for r in partial] == [("killed", False)]
+    assert store.images("job1") == [] and store.newest("job1") is None
+    assert reason_of(lambda: store.pull("killed", str(tmp_path / "d"), job="job1")) is Reason.UPLOAD_INCOMPLETE
+    assert not (tmp_path / "d").exists()
+    cli = snapguard("pull", "--from", store_url, "--job", "job1", "--images", str(tmp_path / "d2"),
+                    env=node_env(tmp_path))
+    assert cli.returncode == 1 and cli.stderr.startswith("snapguard UPLOAD_INCOMPLETE: "), cli.stderr
+    # restore --from with a file checkpoint registered: the fallback, exit 3, its path alone on stdout
+    store.register_file_checkpoint("job1", "/ckpt/job1/step-100")
+    fb = snapguard("restore", "--from", store_url, "--job", "job1", env=node_env(tmp_path / "n"))
+    assert fb.returncode == 3, fb.stderr
+    assert fb.stdout == "/ckpt/job1/step-100\n"
+    assert fb.stderr.startswith("snapguard UPLOAD_INCOMPLETE: ") and "FALLBACK_TO_FILE_CHECKPOINT" in fb.stderr
+    # without one: exit 1
+    none = snapguard("restore", "--from", store_url, "--job", "job2", env=node_env(tmp_path / "n"))
+    assert none.returncode == 1 and none.stderr.startswith("snapguard IMAGE_INCOMPLETE: "), none.stderr
+
+
+def test_flipped_byte_in_store_refused_before_anything_is_restored(store_url: str, sealed: Path,
+                                                                   tmp_path: Path) -> None:
+    store = open_store(store_url)
+    ref = store.push(str(sealed), "job1")
+    pages = max(sealed.glob("pages-*.img"), key=lambda p: p.stat().st_size).name
+    key = f"job1/images/{ref.name}/{pages}"
+    data = bytearray(store._get(key))
+    data[len(data) // 2] ^= 0x01
+    if store_url.startswith("file:"):
+        path = Path(store.root, *key.split("/"))
+        path.write_bytes(bytes(data))
+    else:
+        store._put(key, bytes(data))
+    err = pytest.raises(SnapguardError, store.pull, ref, str(tmp_path / "dest"))
+    assert err.value.reason is Reason.IMAGE_CORRUPT and pages in str(err.value)
+    assert not (tmp_path / "dest").exists()  # nothing left to restore from
+    fb = snapguard("restore", "--from", store_url, "--job", "job1", "--file-checkpoint", "s3://ckpt/job1/7",
+                   env=node_env(tmp_path / "n"))
+    assert fb.returncode == 3 and fb.stdout == "s3://ckpt/job1/7\n", fb.stderr
+    assert fb.stderr.startswith("snapguard IMAGE_CORRUPT: ")
+
+
+def test_epochs_one_winner_per_number(store_url: str) -> None:
+    store = open_store(store_url)
+    results: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def race(expect):
+        barrier.wait()
+        try:
+            results.append(store.take_epoch("job1", expect=expect))
+        except SnapguardError as e:
+            results.append(e.reason)
+
+    for expect in (0, None):
+        results.clear()
+        threads = [threading.Thread(target=race, args=(expect,)) for _ in range(8)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        if expect == 0:  # eight restores that all saw epoch 0: one gets 1, seven are FENCED
+            assert sorted(results, key=str) == [1] + [Reason.FENCED] * 7, results
+        else:  # next free number, retried: eight distinct epochs
+            assert sorted(results) == list(range(2, 10)), results
+    assert store.current_epoch("job1") == 9
+
+
+def test_stale_snapshot_push_is_fenced_and_writes_nothing(store_url: str, sealed: Path, tmp_path: Path) -> None:
+    store = open_store(store_url)
+    store.push(str(sealed), "job1", name="old-node-1", epoch=0)
+    assert store.take_epoch("job1", expect=0) == 1  # the job was restored elsewhere
+    before = store._list("")
+    assert reason_of(lambda: store.push(str(sealed), "job1", name="old-node-2", epoch=0)) is Reason.FENCED
+    out = snapguard("push", "--images", str(sealed), "--to", store_url, "--job", "job1", env=node_env(tmp_path))
+    assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
+    assert store._list("") == before
+    assert store.push(str(sealed), "job1", name="new-node-1", epoch=1).complete
+
+
+def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path) -> None:
+    """Node a snapshots a counter (stop) and pushes it; node b, a network namespace of its own
+    reaching the store over its veth, restores it with --from; the counter continues exactly.
+    A late push from node a afterwards is FENCED; racing restores of the image: one wins."""
+    import boto3
+
+    from snapguard_lab.netns import HOST_ADDRESS
+
+    bucket = f"sg-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=rgw.endpoint).create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/snaps"
+    over_veth = {"S3_ENDPOINT_URL": f"http://{HOST_ADDRESS}:{rgw.port}",
+                 "AWS_ENDPOINT_URL_S3": f"http://{HOST_ADDRESS}:{rgw.port}"}
+    env_a, env_b = {**node_env(tmp_path / "a"), **over_veth}, {**node_env(tmp_path / "b"), **over_veth}
+    log = tmp_path / "counter.log"
+    proc = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=nodes.enter("a"))
+    restored = None
+    try:
+        wait_lines(log, 5)
+        out = snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(tmp_path / "a" / "img"),
+                        env=env_a, preexec=nodes.enter("a"))
+        assert out.returncode == 0, out.stderr
+        proc.wait(timeout=10)
+        last = values(log)[-1][0]
+        log.rename(tmp_path / "before.log")
+        out = snapguard("push", "--images", str(tmp_path / "a" / "img"), "--to", url, "--job", "train", "--json",
+                        env=env_a, preexec=nodes.enter("a"))
+        assert out.returncode == 0, out.stderr
+        pushed = json.loads(out.stdout)["image"]
+        out = snapguard("restore", "--from", url, "--job", "train", "--images", str(tmp_path / "b" / "img"),
+                        "--json", env=env_b, preexec=nodes.enter("b"))
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        restored = result["pid"]
+        assert result["fence_epoch"] == 1 and result["store"] == url
+        wait_lines(log, 5)
+        first = values(log)[0]
+        assert first == (last + 1, expected_hash(last + 1))  # exactly where node a stopped it
+        assert all(b == (a[0] + 1, (a[1] * 31 + a[0] + 1) % MODULUS) for a, b in zip(values(log), values(log)[1:]))
+        with open(f"/proc/{restored}/ns/net") as _:
+            assert os.readlink(f"/proc/{restored}/ns/net") != os.readlink("/proc/self/ns/net")
+        # node a, late, pushes another snapshot under its old epoch: refused, nothing written
+        store = open_store(url, endpoint_url=rgw.endpoint)
+        before = store._list("")
+        late = snapguard("push", "--images", str(sealed), "--to", url, "--job", "train", env=env_a,
+                         preexec=nodes.enter("a"))
+        assert late.returncode == 1 and late.stderr.startswith("snapguard FENCED: "), late.stderr
+        assert store._list("") == before
+        # node b's own later snapshots carry its epoch (from its restore): accepted
+        ok = snapguard("push", "--images", str(sealed), "--to", url, "--job", "train", env=env_b,
+                       preexec=nodes.enter("b"))
+        assert ok.returncode == 0, ok.stderr
+        # two more restores race for the image (both saw epoch 1): one takes 2, the other is FENCED
+        # before CRIU (the pid is held by the first restore, so neither may run CRIU: the winner is
+        # refused with PID_CONFLICT after taking the epoch, the loser changes nothing)
+        racers = [subprocess.Popen([SNAPGUARD, "restore", "--from", url, "--job", "train", "--image", pushed, "--json"],
+                                   env={**os.environ, **(env_a if n == "a" else env_b)}, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=nodes.enter(n))
+                   for n in ("a", "b")]
+        outs = [r.communicate(timeout=120) for r in racers]
+        for stdout, _ in outs:  # never expected: a racer that restored a second copy is ended
+            if stdout.strip().startswith("{") and json.loads(stdout).get("ok"):
+                subprocess.run(["kill", "-9", str(json.loads(stdout)["pid"])], check=False)
+        lines = sorted((err.splitlines() or ["(none)"])[0].split(":")[0] for _, err in outs)
+        assert lines == ["snapguard FENCED", "snapguard PID_CONFLICT"], lines
+        assert store.current_epoch("train") == 2
+    finally:
+        proc.kill()
+        if restored:
+            subprocess.run(["kill", "-9", str(restored)], check=False)

@@ -1,0 +1,381 @@
+"""`snapguard install` on temporary trees: config version detection, the drop-in's shape per
+containerd version, the main config's imports, snapguard's config with pinned paths, NVIDIA's
+runtime as the default, idempotence, --dry-run and --uninstall. (A real containerd loads the
+drop-in in tests/system/test_install_containerd.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from snapguard import install
+from snapguard.config import load
+from snapguard.reasons import Reason, SnapguardError
+
+REPO = Path(__file__).resolve().parents[2]
+SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
+SNAPGUARD_RUNC = os.path.join(os.path.dirname(sys.executable), "snapguard-runc")
+
+DEBIAN_12_CONFIG = """version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+"""
+
+NVIDIA_V2_CONFIG = """# managed by nvidia-ctk
+version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    sandbox_image = "registry.k8s.io/pause:3.9"
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      default_runtime_name = "nvidia"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]
+          BinaryName = "{nvidia}"
+          SystemdCgroup = true
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+          SystemdCgroup = true
+"""
+
+
+def _exe(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+class Node:
+    """A node's files under tmp: containerd's config dir, snapguard's, the state, fake binaries."""
+
+    def __init__(self, tmp: Path, containerd_version: str = "1.6.20~ds1") -> None:
+        self.tmp = tmp
+        self.etc = tmp / "etc"
+        self.main = self.etc / "containerd" / "config.toml"
+        self.dropin = self.etc / "containerd" / "conf.d" / "99-snapguard.toml"
+        self.config = self.etc / "snapguard" / "config.toml"
+        self.state = tmp / "var" / "lib" / "snapguard" / "install.json"
+        self.state.parent.parent.mkdir(parents=True)  # /var/lib is there on any node
+        self.bin = tmp / "bin"
+        module = "github.com/containerd/containerd" + ("/v2" if containerd_version.startswith("2") else "")
+        self.containerd = _exe(self.bin / "containerd",
+                               f"#!/bin/sh\necho 'containerd {module} {containerd_version} deadbeef'\n")
+        self.runc = _exe(self.bin / "runc")
+        self.criu = _exe(self.bin / "criu")
+        self.libdir = self.tmp / "lib" / "criu"
+        self.libdir.mkdir(parents=True)
+        self.nvidia = _exe(self.bin / "nvidia-container-runtime")
+
+    def options(self, **kw: object) -> install.Options:
+        base = dict(containerd_config=str(self.main), snapguard_config=str(self.config), state_file=str(self.state),
+                    containerd=str(self.containerd), snapguard_runc=SNAPGUARD_RUNC,
+                    candidates={"runc": (str(self.runc),), "criu": (str(self.criu),),
+                                "criu_libdir": (str(self.libdir),), "cuda_checkpoint": (str(self.bin / "nope"),)})
+        base.update(kw)
+        return install.Options(**base)  # type: ignore[arg-type]
+
+    def install(self, **kw: object) -> install.Plan:
+        plan = install.plan_install(self.options(**kw))
+        install.apply(plan)
+        return plan
+
+    def uninstall(self, **kw: object) -> install.Plan:
+        plan = install.plan_uninstall(self.options(**kw))
+        install.apply(plan)
+        return plan
+
+    def snapshot(self) -> dict[str, tuple[bytes | None, int]]:
+        """Every file and directory under tmp with its bytes (None: a directory) and mtime."""
+        out: dict[str, tuple[bytes | None, int]] = {}
+        for root, dirs, files in os.walk(self.tmp):
+            for d in dirs:
+                out[os.path.join(root, d)] = (None, 0)
+            for f in files:
+                p = os.path.join(root, f)
+                out[p] = (Path(p).read_bytes(), os.stat(p).st_mtime_ns)
+        return out
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+def _toml(path: Path) -> dict:
+    return tomllib.loads(path.read_text())
+
+
+def test_containerd_16_with_debians_config(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    before = node.snapshot()
+    plan = node.install()
+    assert plan.facts["config_version"] == 2 and plan.facts["containerd_version"] == "1.6.20~ds1"
+    assert {c.path: c.action for c in plan.changes} == {
+        str(node.dropin): "create", str(node.main): "edit", str(node.config): "create"}
+
+    # containerd 1.x replaces the CRI plugin's whole table: the drop-in carries the main config's
+    dropin = _toml(node.dropin)
+    cri = dropin["plugins"]["io.containerd.grpc.v1.cri"]
+    assert dropin["version"] == 2 and cri["cni"] == {"bin_dir": "/usr/lib/cni", "conf_dir": "/etc/cni/net.d"}
+    assert cri["containerd"]["runtimes"]["snapguard"] == {
+        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}
+    assert "io.containerd.internal.v1.opt" not in dropin["plugins"]  # only the CRI plugin's table
+
+    # the main config: one line more, the rest byte for byte
+    main = node.main.read_text()
+    assert main == DEBIAN_12_CONFIG.replace("version = 2\n", f'version = 2\nimports = ["{node.dropin}"]\n', 1)
+
+    config = _toml(node.config)
+    assert config["runc"] == str(node.runc) and config["criu"] == str(node.criu)
+    assert config["criu_libdir"] == str(node.libdir) and config["cuda_checkpoint"] == "/usr/local/bin/cuda-checkpoint"
+    assert load({"SNAPGUARD_CONFIG": str(node.config)}).runc == str(node.runc)  # snapguard reads it
+    for path, mode in ((node.dropin, 0o644), (node.main, 0o644), (node.config, 0o644), (node.state, 0o600)):
+        st = os.stat(path)
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0), path
+    assert os.stat(node.state.parent).st_mode & 0o777 == 0o700
+
+    # a second run changes nothing, not even a timestamp
+    written = node.snapshot()
+    again = node.install()
+    assert not again.changed and {c.action for c in again.changes} == {"unchanged"}
+    assert node.snapshot() == written
+
+    # --uninstall puts everything back as it was
+    undo = node.uninstall()
+    assert {c.path: c.action for c in undo.changes} == {
+        str(node.dropin): "remove", str(node.main): "edit", str(node.config): "remove"}
+    assert {p: v[0] for p, v in node.snapshot().items()} == {p: v[0] for p, v in before.items()}
+    assert not node.uninstall().changed  # and a second --uninstall has nothing to do
+
+
+def test_containerd_2_without_a_main_config(tmp_path: Path) -> None:
+    node = Node(tmp_path, "2.1.9+unknown")
+    before = node.snapshot()
+    plan = node.install()
+    assert plan.facts["config_version"] == 3 and plan.facts["config_version_from"] == "containerd 2.1.9+unknown"
+    assert _toml(node.main) == {"version": 3, "imports": [str(node.dropin)]}
+    # containerd 2.x merges tables key by key: the runtime alone
+    assert _toml(node.dropin) == {"version": 3, "plugins": {"io.containerd.cri.v1.runtime": {"containerd": {
+        "runtimes": {"snapguard": {"runtime_type": "io.containerd.runc.v2",
+                                   "options": {"BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}}}}}}
+    assert not node.install().changed
+    node.uninstall()
+    assert set(node.snapshot()) == set(before)  # the directories it made are gone too
+
+
+def test_version_3_main_config_whose_imports_cover_conf_d(tmp_path: Path) -> None:
+    node = Node(tmp_path, "2.2.0")
+    node.main.parent.mkdir(parents=True)
+    text = ("version = 3\nimports = ['/nowhere/*.toml', 'conf.d/*.toml']  # drop-ins\n\n"
+            "[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n  runtime_path = '/opt/x/shim'\n"
+            "[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]\n  SystemdCgroup = true\n")
+    node.main.write_text(text)
+    plan = node.install()
+    assert {c.path: c.action for c in plan.changes}[str(node.main)] == "unchanged"
+    assert node.main.read_text() == text
+    runtime = _toml(node.dropin)["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["snapguard"]
+    assert runtime == {"runtime_type": "io.containerd.runc.v2", "runtime_path": "/opt/x/shim",  # the default's
+                       "options": {"SystemdCgroup": True, "BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}
+    node.uninstall()
+    assert node.main.read_text() == text and not node.dropin.exists()
+
+
+def test_nvidia_default_runtime_is_snapguards_runc(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(NVIDIA_V2_CONFIG.format(nvidia=node.nvidia))
+    node.config.parent.mkdir(parents=True)
+    previous = '# the site\'s own\nrunc = "/usr/sbin/runc"\ntake_wait_s = 20\n'
+    node.config.write_text(previous)
+    plan = node.install()
+    assert plan.facts["default_runtime"] == {"name": "nvidia", "binary": str(node.nvidia), "nvidia": True,
+                                             "systemd_cgroup": True}
+    config = _toml(node.config)
+    assert config["runc"] == str(node.nvidia)  # GPU containers keep their devices
+    assert config["take_wait_s"] == 20  # what the site set is kept
+    assert any("replaced by NVIDIA's" in n for n in plan.notes)
+    cri = _toml(node.dropin)["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["sandbox_image"] == "registry.k8s.io/pause:3.9" and cri["containerd"]["default_runtime_name"] == "nvidia"
+    assert set(cri["containerd"]["runtimes"]) == {"nvidia", "runc", "snapguard"}
+    assert cri["containerd"]["runtimes"]["snapguard"]["options"] == {
+        "BinaryName": os.path.realpath(SNAPGUARD_RUNC), "SystemdCgroup": True}
+    assert not node.install().changed
+    node.uninstall()
+    assert node.config.read_text() == previous  # the file it replaced is back
+
+
+def test_dry_run_writes_nothing_and_shows_the_diff(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    before = node.snapshot()
+    out = subprocess.run([SNAPGUARD, "install", "--dry-run", "--containerd-config", str(node.main),
+                          "--config", str(node.config), "--state-file", str(node.state),
+                          "--containerd", str(node.containerd)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert node.snapshot() == before
+    assert f"would create   {node.dropin}" in out.stdout and f"would edit     {node.main}" in out.stdout
+    assert f'+imports = ["{node.dropin}"]' in out.stdout
+    assert "nothing written (--dry-run)" in out.stdout
+    assert "kind: RuntimeClass" in out.stdout and "handler: snapguard" in out.stdout
+    js = subprocess.run([SNAPGUARD, "install", "--dry-run", "--json", "--containerd-config", str(node.main),
+                         "--config", str(node.config), "--state-file", str(node.state),
+                         "--containerd", str(node.containerd)], capture_output=True, text=True, timeout=60)
+    plan = json.loads(js.stdout)
+    assert plan["changed"] and plan["facts"]["config_version"] == 2 and "handler: snapguard" in plan["runtimeclass"]
+
+
+def test_cli_install_then_uninstall(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    args = ["--containerd-config", str(node.main), "--config", str(node.config), "--state-file", str(node.state),
+            "--containerd", str(node.containerd)]
+    out = subprocess.run([SNAPGUARD, "install", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "restart containerd" in out.stdout and node.dropin.exists()
+    again = subprocess.run([SNAPGUARD, "install", *args], capture_output=True, text=True, timeout=60)
+    assert "nothing to change" in again.stdout
+    undo = subprocess.run([SNAPGUARD, "install", "--uninstall", *args], capture_output=True, text=True, timeout=60)
+    assert undo.returncode == 0 and "remove" in undo.stdout and not node.dropin.exists()
+    assert node.main.read_text() == DEBIAN_12_CONFIG
+
+
+def test_a_foreign_dropin_is_not_overwritten(node: Node) -> None:
+    node.dropin.parent.mkdir(parents=True)
+    node.dropin.write_text("# someone else's\n")
+    with pytest.raises(SnapguardError, match="not written by snapguard install"):
+        install.plan_install(node.options())
+    assert node.dropin.read_text() == "# someone else's\n"
+
+
+def test_a_changed_dropin_is_kept_by_uninstall(node: Node) -> None:
+    node.install()
+    node.dropin.write_text(node.dropin.read_text() + "# edited\n")
+    plan = node.uninstall()
+    assert {c.path: c.action for c in plan.changes}[str(node.dropin)] == "keep"
+    assert node.dropin.exists() and not node.main.exists() and not node.state.exists()
+
+
+def test_a_later_import_replacing_the_cri_table_is_refused_on_containerd_1(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text('version = 2\nimports = ["conf.d/*.toml"]\n')
+    later = node.dropin.parent / "zz-site.toml"
+    later.parent.mkdir(parents=True)
+    later.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "x"\n')
+    with pytest.raises(SnapguardError, match="zz-site.toml is imported after"):
+        install.plan_install(node.options())
+    # one that loads before is folded into the drop-in's copy
+    later.rename(later.parent / "10-site.toml")
+    plan = install.plan_install(node.options())
+    assert "sandbox_image = \"x\"" in next(c for c in plan.changes if c.path == str(node.dropin)).after.decode()
+
+
+def test_version_1_main_config_is_refused(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text('[plugins.cri]\n  sandbox_image = "x"\n')
+    with pytest.raises(SnapguardError, match="sets no `version`") as e:
+        install.plan_install(node.options())
+    assert e.value.reason is Reason.USAGE_ERROR
+
+
+def test_a_main_config_others_can_write_is_refused(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    node.main.chmod(0o666)
+    with pytest.raises(SnapguardError) as e:
+        install.plan_install(node.options())
+    assert e.value.reason is Reason.UNTRUSTED_PATH
+
+
+def test_runtime_name_must_be_a_handler_name(node: Node) -> None:
+    with pytest.raises(SnapguardError, match="DNS label"):
+        install.plan_install(node.options(runtime_name="Snap_Guard"))
+
+
+def test_another_runtime_name(node: Node) -> None:
+    node.install(runtime_name="snapguard-gpu")
+    dropin = node.dropin.parent / "99-snapguard-gpu.toml"
+    assert "snapguard-gpu" in _toml(dropin)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    with pytest.raises(SnapguardError, match="uninstall"):
+        install.plan_install(node.options())
+
+
+@pytest.mark.parametrize("text", [
+    "version = 2\n",
+    "# c\nversion = 2\nroot = '/r'\n[grpc]\n  address = 'x'\n",
+    "imports = ['/a.toml']\nversion = 2\n",
+    "imports = [\n  '/a.toml',  # one\n  '/b/*.toml',\n]\nversion = 2\n[plugins.x]\n  y = [\n[1]]\n",
+    "[grpc]\naddress = 'x'\n",
+    "version = 2",
+])
+def test_set_imports_changes_only_that_key(text: str) -> None:
+    data = tomllib.loads(text)
+    new = install.set_imports(text, [*data.get("imports", []), "/etc/containerd/conf.d/99-snapguard.toml"])
+    assert tomllib.loads(new) == {**data, "imports": [*data.get("imports", []), "/etc/containerd/conf.d/99-snapguard.toml"]}
+    kept = [line for line in text.splitlines() if not line.startswith(("imports", "  '/", "]"))]
+    assert all(line in new.splitlines() for line in kept if line)
+    back = install.set_imports(new, data.get("imports"))
+    assert tomllib.loads(back) == data
+
+
+def test_dump_toml_reads_back() -> None:
+    data = {"version": 2, "a": {"b c": {"d.e": "q\"\\\n\t\x01", "n": 1.5, "l": [1, "x", {"k": True}], "z": {}},
+                                  "f": False}}
+    assert tomllib.loads(install.dump_toml(data)) == data
+
+
+def test_the_kubernetes_example_matches_the_dropin() -> None:
+    """packaging/kubernetes/: the RuntimeClass's handler is the runtime the drop-in adds, the
+    manifest `snapguard install` prints is the file's, and the DaemonSet writes metrics where the
+    systemd unit does."""
+    rc = (REPO / "packaging" / "kubernetes" / "runtimeclass.yaml").read_text()
+    assert re.search(r"^handler: (\S+)", rc, re.M).group(1) == install.DEFAULT_RUNTIME_NAME
+    assert re.search(r"^  name: (\S+)", rc, re.M).group(1) == install.DEFAULT_RUNTIME_NAME
+    printed = install.runtimeclass_manifest()
+    body = [line for line in rc.splitlines() if line and not line.startswith("#")]
+    assert [line.split("#")[0].rstrip() for line in body] == \
+        [line.split("#")[0].rstrip() for line in printed.splitlines()]
+    ds = (REPO / "packaging" / "kubernetes" / "daemonset.yaml").read_text()
+    assert "kind: DaemonSet" in ds and re.search(r"- (/usr/bin/snapguard)\s+- metrics\s", ds)
+    links = (REPO / "packaging" / "debian" / "snapguard.links").read_text()
+    assert "opt/snapguard/venv/bin/snapguard usr/bin/snapguard\n" in links  # what the DaemonSet runs
+    unit = (REPO / "packaging" / "debian" / "snapguard.snapguard-preflight.service").read_text()
+    textfile = re.search(r"--textfile[= ](\S+)", unit).group(1)
+    assert f"--textfile={textfile}" in ds
+    from snapguard.metrics import DEFAULT_TEXTFILE_DIR
+    assert textfile == DEFAULT_TEXTFILE_DIR
+
+
+def test_metrics_textfile(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from snapguard import metrics
+    from snapguard.preflight import CheckResult, Report
+    from snapguard.reasons import Finding
+
+    report = Report("--node", required=("host-netns-containers",))
+    report.checks += [CheckResult("privileges"), CheckResult("criu", [Finding(Reason.CRIU_MISSING, "no criu")]),
+                      CheckResult("runc", error="boom")]
+    path = metrics.write_textfile(report, str(tmp_path), 1.25)
+    text = Path(path).read_text()
+    assert 'snapguard_node_ready 0.0' in text and "snapguard_preflight_exit_code 1.0" in text
+    assert 'snapguard_capability_ready{capability="host-netns-containers",required="true"} 0.0' in text
+    assert 'snapguard_capability_blocked{capability="host-netns-containers",reason="CRIU_MISSING"} 1.0' in text
+    assert 'snapguard_check_ok{check="privileges"} 1.0' in text and 'snapguard_check_ok{check="runc"} 0.0' in text
+    assert 'snapguard_check_finding{check="runc",reason="PREFLIGHT_FAILED",severity="error"} 1.0' in text
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["snapguard.prom"]
