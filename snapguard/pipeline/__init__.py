@@ -46,15 +46,20 @@ def restore_images(images: str, config: Config, *, tcp_established: bool = False
     return restore(CriuRunner(config.criu), req, config)
 
 
-def write_record(work_dir: str, record: dict[str, Any], *, create: bool = False) -> str | None:
+def write_record(work_dir: str, record: dict[str, Any], *, create: bool = False,
+                 follow_link: bool = False) -> str | None:
     """Write a run's result or failure record into the work directory (0600, atomic). A missing
     one is made (0700) only with `create` (runc's contract: the work path holds its logs and
-    snapguard's record); else a refused run changes nothing. Returns the path, or None."""
+    snapguard's record); else a refused run changes nothing. A link is followed only with
+    `follow_link` (runc's work path from containerd's shim), and only when root's alone. Returns
+    the path, or None."""
     import stat
 
     from ..files import ensure_private_dir
 
     if os.path.islink(work_dir):
+        if not follow_link:
+            return None  # an image directory given as a link was refused: nothing is written through it
         # containerd's shim passes <bundle>/work, a symlink into its root-only state: followed only
         # when it and every hop are root's alone, as ensure_private_dir does
         from ..trust import UntrustedPathError, resolve_trusted

@@ -48,7 +48,7 @@ def report_failure(failure: Failure, log_path: str | None, log_format: str, work
         from ..pipeline import write_record
 
         try:
-            write_record(work_path, failure.to_dict(), create=True)
+            write_record(work_path, failure.to_dict(), create=True, follow_link=True)
         except Exception as e:  # called from the boundary's own handler: nothing may escape it
             print(f"snapguard: cannot write result to {work_path}: {e}", file=sys.stderr)
     return 1

@@ -44,7 +44,7 @@ def run_guarded(args: list[str], opts: GlobalOptions) -> int:
     except Exception as e:  # the boundary: every failure is one typed line, never a traceback
         return report_failure(_failure(e), opts.log, opts.log_format, work_path)
     try:
-        pipeline.write_record(sub.work_path, result, create=True)
+        pipeline.write_record(sub.work_path, result, create=True, follow_link=True)
     except OSError as e:
         print(f"snapguard: cannot write result to {sub.work_path}: {e.strerror}", file=sys.stderr)
     return 0
