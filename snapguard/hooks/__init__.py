@@ -4,13 +4,21 @@ releases the allocator's free reserve and holds still while a snapshot is taken.
 Injected without changing the trainer: start it with PYTHONPATH including `site_dir()` (which
 holds a sitecustomize) and SNAPGUARD_TAKE_DIR set. The executor side is `take`: `trainers` finds
 the hooked processes of a tree, `hold` brings them to a step boundary, `release_all` lets them go.
+
+In the trainer the hook also resolves what would put GPU handles outside a CUDA context into its
+tree: children forked from a CUDA process drop the /dev/nvidia* descriptors and mappings they
+inherited, and torch.compile's worker pool is shut down once compilation is idle (or at the take)
+and comes back when something compiles. On by default; RESOLVE_ENV=0 in the trainer's environment
+turns both off (the executor then refuses such a tree, as without the hook).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["site_dir", "socket_path", "start_in_workload"]
+__all__ = ["RESOLVE_ENV", "site_dir", "socket_path", "start_in_workload"]
+
+RESOLVE_ENV = "SNAPGUARD_RESOLVE_BLOCKERS"
 
 
 def site_dir() -> str:

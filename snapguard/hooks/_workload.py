@@ -11,6 +11,25 @@ unix socket for one request per connection:
 While held, the trainer's own thread has synchronised, emptied PyTorch's device and pinned host
 caches and trimmed the C heap, and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot hold it
 forever.
+
+It also resolves the two things that put GPU handles outside a CUDA context into a trainer's tree
+(CRIU cannot dump them), on by default, off with SNAPGUARD_RESOLVE_BLOCKERS=0:
+  forked children   a child forked (os.fork: multiprocessing's fork start method, DataLoader
+                    workers) from a process with a CUDA context cannot use CUDA (PyTorch raises its
+                    "Cannot re-initialize CUDA in forked subprocess"), yet inherits the parent's
+                    /dev/nvidia* descriptors and mappings: right after the fork, in the child, each
+                    such descriptor is pointed at /dev/null (its number stays taken, so nothing the
+                    parent's libraries remember lands on another file) and each such mapping becomes
+                    an inaccessible anonymous reservation (a stray access faults, it cannot read
+                    another mapping). Nothing else of the child is touched.
+  compile pool      torch.compile's worker pool (inductor's SubprocPool sidecar and its workers)
+                    holds NVML handles. Once compilation has been idle for SNAPGUARD_COMPILE_IDLE_STEPS
+                    optimizer steps, the pool is detached from inductor (its next compile makes a new
+                    one, lazily, as after a fork) and shut down in a background thread, outside any
+                    snapshot's stall; a take that finds it still up waits for that shutdown, or shuts
+                    it down itself, before it answers.
+The status answer says both (`gpu_handles_dropped_in_children`, `compile_pool`), which is how the
+executor's preflight knows that the hook is there.
 """
 
 from __future__ import annotations
@@ -20,16 +39,285 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
 from typing import Any
 
-__all__ = ["start"]
+__all__ = ["drop_inherited", "resolving", "start"]
 
 _HOLD_S = float(os.environ.get("SNAPGUARD_TAKE_HOLD_S", "300"))
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
+_ASYNC_COMPILE = "torch._inductor.async_compile"
+_IDLE_STEPS = int(os.environ.get("SNAPGUARD_COMPILE_IDLE_STEPS", "5"))
+_POOL_SHUTDOWN_S = 120.0  # the longest a take waits for the pool to go (5.2 s seen on the H200)
+
+
+def resolving() -> bool:
+    """Whether the hook resolves the blockers (the default); SNAPGUARD_RESOLVE_BLOCKERS=0 turns it off."""
+    from . import RESOLVE_ENV
+
+    return os.environ.get(RESOLVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# --- forked children: drop the GPU handles they inherited --------------------------------------
+
+# Linux's values (x86_64 and aarch64 alike)
+_PROT_NONE, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x0, 0x02, 0x10, 0x20, 0x4000
+
+
+class _Libc:
+    """mmap and munmap through ctypes, bound in the parent so the child only calls them."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        self.munmap = libc.munmap
+        self.munmap.restype = ctypes.c_int
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.failed = ctypes.c_void_p(-1).value
+
+
+_libc: _Libc | None = None
+
+
+def _nvidia_pattern() -> re.Pattern[str]:
+    from ..procfs import NVIDIA_DEV  # the pattern the preflight matches with
+
+    return NVIDIA_DEV
+
+
+def drop_inherited(pattern: re.Pattern[str], proc_self: str = "/proc/self") -> dict[str, list[Any]]:
+    """Drop this process's handles on the paths `pattern` matches (procfs.NVIDIA_DEV in a trainer's
+    forked child): each descriptor whose target matches now refers to /dev/null, with the same
+    number (close-on-exec); each mapping of such a path is replaced in place by an anonymous
+    PROT_NONE reservation. Returns {"fds": [numbers], "maps": [[start, end, path], ...]}."""
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    fds: list[int] = []
+    null = -1
+    try:
+        for name in os.listdir(f"{proc_self}/fd"):
+            try:
+                target = os.readlink(f"{proc_self}/fd/{name}")
+            except OSError:
+                continue  # the listing's own descriptor, gone by now
+            if name.isdigit() and pattern.match(target):
+                if null < 0:
+                    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+                os.dup2(null, int(name), inheritable=False)
+                fds.append(int(name))
+    finally:
+        if null >= 0:
+            os.close(null)
+    # the whole list first: the mappings change under the reader of /proc/self/maps otherwise
+    with open(f"{proc_self}/maps") as f:
+        lines = f.read().splitlines()
+    maps: list[list[Any]] = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and pattern.match(parts[5].strip()):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            maps.append([lo, hi, parts[5].strip()])
+    for lo, hi, _ in maps:
+        got = _libc.mmap(lo, hi - lo, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        if got is None or got == _libc.failed:
+            _libc.munmap(lo, hi - lo)  # cannot reserve it: at least it no longer maps the device
+    return {"fds": fds, "maps": maps}
+
+
+class _ForkHandler:
+    """os.register_at_fork: `before` notes whether the parent has a CUDA context; in the child,
+    the inherited GPU handles are dropped when it did (PyTorch's CUDA initialised, or any inherited
+    /dev/nvidia-uvm descriptor: only a CUDA context opens it, NVML does not). A child of a process
+    that only used NVML keeps its handles: it may still use CUDA itself."""
+
+    def __init__(self) -> None:
+        self.pattern: re.Pattern[str] | None = None
+        self.parent_cuda = False
+        self.dropped: dict[str, list[Any]] | None = None  # in a child: what it dropped
+
+    def before(self) -> None:
+        global _libc
+        try:
+            if self.pattern is None:
+                self.pattern = _nvidia_pattern()
+            if _libc is None:
+                _libc = _Libc()
+            cuda = sys.modules.get("torch.cuda")
+            self.parent_cuda = bool(cuda is not None and cuda.is_initialized())
+        except Exception:  # never in the way of a fork
+            self.parent_cuda = False
+
+    def _uvm_inherited(self) -> bool:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}").startswith("/dev/nvidia-uvm"):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def after_in_child(self) -> None:
+        try:
+            if self.pattern is not None and (self.parent_cuda or self._uvm_inherited()):
+                self.dropped = drop_inherited(self.pattern)
+        except Exception as e:  # the preflight still names a child that kept them
+            print(f"snapguard take point: GPU handles not dropped in forked child {os.getpid()}: {e}",
+                  file=sys.stderr)
+
+
+_fork_handler: _ForkHandler | None = None
+
+
+def _install_fork_handler() -> _ForkHandler:
+    global _fork_handler
+    if _fork_handler is None:
+        _fork_handler = _ForkHandler()
+        os.register_at_fork(before=_fork_handler.before, after_in_child=_fork_handler.after_in_child)
+    return _fork_handler
+
+
+# --- torch.compile's worker pool --------------------------------------------------------------
+
+
+def _pool_pids(pools: list[Any]) -> list[int]:
+    """The processes of inductor's pools: a SubprocPool's sidecar (its workers are the sidecar's
+    children), a ProcessPoolExecutor's workers."""
+    pids: list[int] = []
+    for pool in pools:
+        process = getattr(pool, "process", None)
+        if process is not None and getattr(process, "pid", None):
+            pids.append(int(process.pid))
+        pids += [int(p) for p in (getattr(pool, "_processes", None) or {})]
+    return sorted(set(pids))
+
+
+class _CompilePool:
+    """Shuts inductor's compile pool down once compilation is idle, off the trainer's thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.quiet = 0
+        self.marker: tuple[Any, ...] | None = None
+        self.thread: threading.Thread | None = None
+        self.shutting: list[int] = []  # pids of the pools being shut down
+        self.shutdowns = 0
+        self.last: dict[str, Any] = {}
+
+    @staticmethod
+    def _module() -> Any:
+        return sys.modules.get(_ASYNC_COMPILE)
+
+    def _pools(self) -> list[Any]:
+        mod = self._module()
+        return list(getattr(mod, "_pool_set", None) or []) if mod is not None else []
+
+    @staticmethod
+    def _activity(mod: Any) -> tuple[Any, ...]:
+        """What changes while inductor compiles: dynamo's graph count, and a compile under way
+        (inductor's `_t0`, set from the first async kernel compile until it waits for them all). A
+        pool still warming up (its readiness probe pending) is idle: nothing waits for it."""
+        utils = sys.modules.get("torch._dynamo.utils")
+        graphs = utils.counters["stats"]["unique_graphs"] if utils is not None else 0
+        return graphs, getattr(mod, "_t0", None) is not None
+
+    def on_step(self) -> None:
+        """At every optimizer step's end (the trainer's thread; cheap when there is no pool)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.thread = None  # the last shutdown is over; a pool made since may go idle in turn
+        mod = self._module()
+        if mod is None or not getattr(mod, "_pool_set", None) or self.thread is not None:
+            self.quiet = 0
+            return
+        marker = self._activity(mod)
+        self.quiet = 0 if marker[1] or marker != self.marker else self.quiet + 1
+        self.marker = marker
+        if self.quiet >= _IDLE_STEPS:
+            self.quiet = 0
+            self._start_shutdown("idle")
+
+    def _detach(self) -> list[Any]:
+        """Take the pools away from inductor: its next compile creates a new pool (lazily)."""
+        mod = self._module()
+        pools = self._pools()
+        reset = getattr(mod, "after_fork", None)  # "reset pools to initial state without shutting them down"
+        if reset is None:
+            return pools  # an older inductor: shut down through its own function instead
+        reset()
+        return pools
+
+    def _shutdown(self, pools: list[Any], detached: bool, why: str) -> None:
+        t0 = time.monotonic()
+        error = None
+        try:
+            if detached:
+                for pool in pools:
+                    pool.shutdown()
+            else:
+                self._module().shutdown_compile_workers()
+        except Exception as e:  # the executor finds the processes still there and refuses
+            error = f"{type(e).__name__}: {e}"
+        with self.lock:
+            self.last = {"why": why, "pids": self.shutting, "s": time.monotonic() - t0, "error": error}
+            self.shutdowns += 1
+            self.shutting = []
+
+    def _start_shutdown(self, why: str) -> None:
+        with self.lock:
+            pools = self._pools()
+            if not pools:
+                return
+            self.shutting = _pool_pids(pools)
+            detached = getattr(self._module(), "after_fork", None) is not None
+            if detached:
+                self._detach()
+            self.thread = threading.Thread(target=self._shutdown, args=(pools, detached, why),
+                                           name="snapguard-compile-pool-shutdown", daemon=True)
+            self.thread.start()
+
+    def settle(self, timeout: float = _POOL_SHUTDOWN_S) -> dict[str, Any]:
+        """At the take (the trainer's thread, at a step boundary, nothing compiling): no pool
+        left. Waits for a shutdown under way, or shuts the pool down now."""
+        t0 = time.monotonic()
+        how: list[str] = []
+
+        def joined(thread: threading.Thread | None) -> bool:
+            if thread is not None:
+                thread.join(max(0.0, timeout - (time.monotonic() - t0)))
+            return thread is None or not thread.is_alive()
+
+        if self.thread is not None and self.thread.is_alive():
+            how.append("waited for the idle shutdown")
+        if joined(self.thread):
+            self.thread = None
+            if self._pools():
+                how.append("shut down at the take")
+                self._start_shutdown("take")
+                if joined(self.thread):
+                    self.thread = None
+        if self.thread is not None:
+            return {"state": "shutting-down", "how": "; ".join(how), "waited_s": time.monotonic() - t0,
+                    "pids": self.shutting, "error": f"the pool did not shut down within {timeout:g} s"}
+        if not how:
+            return {"state": "none"}
+        return {"state": "shut-down", "how": "; ".join(how), "waited_s": time.monotonic() - t0, **self.last}
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            live = _pool_pids(self._pools())
+            state = "shutting-down" if self.thread is not None and self.thread.is_alive() else \
+                ("running" if live else ("shut-down" if self.shutdowns else "none"))
+            return {"state": state, "pids": sorted(set(live) | set(self.shutting)), "shutdowns": self.shutdowns,
+                    "shutdown_at_take": True, "idle_steps": _IDLE_STEPS, "last": self.last}
 
 
 def _host_anon_bytes() -> int:
@@ -57,20 +345,26 @@ def _malloc_trim() -> None:
 
 
 class _TakePoint:
-    def __init__(self) -> None:
+    def __init__(self, resolve: bool = False) -> None:
         self.step = 0
         self.trainer = False  # the step hook is registered: this process imported torch's optimizers
+        self.resolve = resolve  # forked children drop GPU handles; the compile pool goes when idle
+        self.pool = _CompilePool()
         self.hold_at: int | None = None
         self.reached = threading.Event()
         self.released = threading.Event()
         self.figures: dict[str, Any] = {}
         self.lock = threading.Lock()
+        self.requested_at = 0.0
+        self.wait_s = 10.0  # how long the executor waits for this take
 
-    def arm(self, at_step: int | None) -> None:
+    def arm(self, at_step: int | None, wait_s: float = 10.0) -> None:
         with self.lock:
+            self.wait_s = wait_s
             self.reached.clear()
             self.released.clear()
             self.hold_at = self.step + 1 if at_step is None else at_step
+            self.requested_at = time.time()
 
     def disarm(self) -> None:
         with self.lock:
@@ -84,10 +378,38 @@ class _TakePoint:
                 self.hold_at = None
         if holding:
             self._hold()
+        elif self.resolve:
+            try:
+                self.pool.on_step()
+            except Exception as e:  # inductor's internals moved: the take shuts the pool down
+                self.resolve_error = f"{type(e).__name__}: {e}"
+
+    resolve_error: str | None = None
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"resolve": self.resolve,
+                               "gpu_handles_dropped_in_children": self.resolve and _fork_handler is not None}
+        if self.resolve:
+            try:
+                out["compile_pool"] = self.pool.status()
+            except Exception as e:
+                out["compile_pool"] = {"state": "unknown", "error": f"{type(e).__name__}: {e}",
+                                       "shutdown_at_take": False}
+        if self.resolve_error:
+            out["resolve_error"] = self.resolve_error
+        return out
 
     def _hold(self) -> None:
         import torch
 
+        # First the compile pool (its processes hold NVML handles): gone before the figures.
+        pool: dict[str, Any] | None = None
+        if self.resolve:
+            try:
+                # within the executor's wait: past it, the executor finds the pool still there and refuses
+                pool = self.pool.settle(max(1.0, min(_POOL_SHUTDOWN_S, self.wait_s - 0.5)))
+            except Exception as e:
+                pool = {"state": "unknown", "error": f"{type(e).__name__}: {e}"}
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         reserved_before = torch.cuda.memory_reserved() if cuda else 0
         host_before = _host_anon_bytes()
@@ -110,7 +432,11 @@ class _TakePoint:
             "host_anon_before": host_before,
             "host_anon_after": _host_anon_bytes(),
             "trim_s": time.monotonic() - t0,
+            "requested_at": self.requested_at,  # when the take arrived (unix time)
+            "held_at": time.time(),
         }
+        if pool is not None:
+            self.figures["compile_pool"] = pool
         self.reached.set()
         # Hold at the boundary: the snapshot is taken while this thread waits here.
         self.released.wait(_HOLD_S)
@@ -158,16 +484,28 @@ def _nccl_groups() -> bool:
         return "nccl" in str(dist.get_backend()).lower()
 
 
+def _compile_worker() -> bool:
+    """This interpreter is inductor's compile worker sidecar (`python -m torch._inductor.compile_worker`,
+    started by the trainer with its environment, so with the hook): it imports torch's optimizers
+    but never steps, and is no trainer to hold."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and str(getattr(spec, "name", "")).startswith("torch._inductor.compile_worker"):
+        return True  # python -m
+    path = os.path.normpath(str(getattr(main, "__file__", "") or ""))  # python <path>/__main__.py, as SubprocPool runs it
+    return path.endswith(os.path.join("torch", "_inductor", "compile_worker", "__main__.py"))
+
+
 def _answer(point: _TakePoint, words: list[str]) -> dict[str, Any]:
     if words[0] == "status":
-        return {"ok": True, "step": point.step, "trainer": point.trainer, "nccl": _nccl_groups(),
-                "pid": os.getpid()}
+        return {"ok": True, "step": point.step, "trainer": point.trainer and not _compile_worker(),
+                "nccl": _nccl_groups(), "pid": os.getpid(), **point.status()}
     if words[0] in ("take", "take-at"):
         at = int(words[1]) if words[0] == "take-at" else None
         wait = float(words[-1]) if len(words) > (2 if at is not None else 1) else 10.0
         if at is not None and point.step >= at:
             return {"ok": False, "error": f"step {at} already passed (at {point.step})", "step": point.step}
-        point.arm(at)
+        point.arm(at, wait)
         if point.reached.wait(wait):
             return {"ok": True, **point.figures}
         point.disarm()
@@ -197,7 +535,9 @@ def start(take_dir: str) -> None:
     from . import socket_path
 
     os.makedirs(take_dir, mode=0o700, exist_ok=True)
-    point = _TakePoint()
+    point = _TakePoint(resolve=resolving())
+    if point.resolve:
+        _install_fork_handler()
     if _OPTIMIZER_MODULE in sys.modules:
         sys.modules[_OPTIMIZER_MODULE].register_optimizer_step_post_hook(point.at_step_end)
         point.trainer = True

@@ -24,17 +24,84 @@ GHOST_LIMIT = 1 << 20  # CRIU's default --ghost-limit: larger deleted files cann
 # --- the checks: each takes the inventory and returns findings -------------------------------
 
 
-def check_stray_gpu_handles(inv: Inventory) -> list[Finding]:
+def _hooked_ancestor(p: procfs.ProcInfo, by_pid: dict[int, procfs.ProcInfo],
+                     trainers: dict[int, dict[str, Any]]) -> int | None:
+    """The nearest ancestor of p in the tree that is a trainer running the take-point hook."""
+    seen = {p.pid}
+    q = by_pid.get(p.ppid)
+    while q is not None and q.pid not in seen:
+        if q.pid in trainers:
+            return q.pid
+        seen.add(q.pid)
+        q = by_pid.get(q.ppid)
+    return None
+
+
+def _compile_pool_owner(p: procfs.ProcInfo, by_pid: dict[int, procfs.ProcInfo],
+                        trainers: dict[int, dict[str, Any]]) -> int | None:
+    """The hooked trainer whose torch.compile pool p belongs to (a pool pid, or a process below
+    one), when that trainer's take point shuts its pool down at the take."""
+    pools = {pid: t for t, st in trainers.items() if st.get("resolve")
+             for pid in (st.get("compile_pool") or {}).get("pids", [])
+             if (st.get("compile_pool") or {}).get("shutdown_at_take")}
+    seen: set[int] = set()
+    q: procfs.ProcInfo | None = p
+    while q is not None and q.pid not in seen:
+        if q.pid in pools:
+            return pools[q.pid]
+        seen.add(q.pid)
+        q = by_pid.get(q.ppid)
+    return None
+
+
+def check_stray_gpu_handles(inv: Inventory, trainers: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
+    """/dev/nvidia* held outside a CUDA context: CRIU cannot dump it. `trainers`: the take-point
+    status of the tree's hooked trainers. A hooked trainer (SNAPGUARD_RESOLVE_BLOCKERS not 0) drops
+    the handles its forked children inherit, right after each fork, so a clean tree has none to
+    show; its torch.compile pool, still up, is shut down at the take (and the take refuses if it
+    is not): noted, not a blocker. Anything else is refused before anything is frozen, the pid
+    named with what to change."""
+    trainers = trainers or {}
     cuda = {p.pid for p in inv.cuda_processes()}
+    by_pid = {p.pid: p for p in inv.procs}
     findings = []
     for p in inv.procs:
         handles = p.nvidia_handles()
-        if handles and p.pid not in cuda:
-            how = "maps" if any(h in p.mapped_paths for h in handles) else "holds fds of"
+        if not handles or p.pid in cuda:
+            continue
+        how = "maps" if any(h in p.mapped_paths for h in handles) else "holds fds of"
+        what = f"pid {p.pid} ({p.comm}) {how} {', '.join(handles[:4])} but has no CUDA context"
+        evidence: dict[str, Any] = {"pid": p.pid, "comm": p.comm, "paths": handles}
+        owner = _compile_pool_owner(p, by_pid, trainers)
+        if owner is not None:
             findings.append(Finding(
                 Reason.STRAY_GPU_DEVICE_HANDLE,
-                f"pid {p.pid} ({p.comm}) {how} {', '.join(handles[:4])} but has no CUDA context",
-                evidence={"pid": p.pid, "comm": p.comm, "paths": handles}))
+                f"{what}: it is torch.compile's worker pool of trainer {owner}, whose take point shuts the "
+                "pool down before the freeze (the snapshot is refused if it does not)", Severity.WARNING,
+                {**evidence, "cause": "compile-pool", "trainer": owner}))
+            continue
+        trainer = _hooked_ancestor(p, by_pid, trainers)
+        st = trainers.get(trainer, {}) if trainer is not None else {}
+        if trainer is None and p.ppid in cuda:
+            cause, why = "unhooked", (f"forked from CUDA process {p.ppid}, which does not run snapguard's "
+                                      "take-point hook: start the job with the hook (it drops the GPU handles "
+                                      "forked children inherit and shuts torch.compile's pool down), or start "
+                                      "workers with the spawn method")
+        elif trainer is None:
+            cause, why = "unhooked", ("no trainer above it runs snapguard's take-point hook: a torch.compile "
+                                      "pool is shut down by the hook; an NVML user or monitor must be stopped "
+                                      "before the snapshot")
+        elif not st.get("resolve") or not st.get("gpu_handles_dropped_in_children"):
+            cause, why = "hook-resolve-off", (f"trainer {trainer} runs the take-point hook with "
+                                              "SNAPGUARD_RESOLVE_BLOCKERS=0 (or a hook that predates it): unset "
+                                              "it, or start workers with the spawn method")
+        else:
+            cause, why = "opened-in-child", (f"trainer {trainer} runs the hook, which drops what a child of a "
+                                             "CUDA process inherits: this one opened them itself, or was forked "
+                                             "before its parent had a CUDA context (NVML); stop it before the "
+                                             "snapshot, or start it with the spawn method")
+        findings.append(Finding(Reason.STRAY_GPU_DEVICE_HANDLE, f"{what}; {why}",
+                                evidence={**evidence, "cause": cause, "trainer": trainer}))
     return findings
 
 
@@ -199,7 +266,7 @@ def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, pr
                trainers: dict[int, dict[str, Any]] | None = None) -> None:
     """All workload checks; `trainers`: take-point status of the pids that run the hook."""
     report.facts["processes"] = inv.summary()
-    report.run("stray-gpu-handles", lambda: check_stray_gpu_handles(inv))
+    report.run("stray-gpu-handles", lambda: check_stray_gpu_handles(inv, trainers))
     report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv, trainers))
     report.run("mps", lambda: check_mps(inv))
     report.run("io-uring", lambda: check_io_uring(inv))

@@ -1,5 +1,9 @@
 """snapguard's take point, loaded at interpreter start through PYTHONPATH (see snapguard.hooks).
 
+With SNAPGUARD_TAKE_DIR set it starts the take point, which (unless SNAPGUARD_RESOLVE_BLOCKERS=0)
+also registers the fork handler that drops inherited GPU handles in forked children and watches
+torch.compile's worker pool (snapguard.hooks._workload).
+
 Python imports one `sitecustomize`: the first on sys.path. This one, first through PYTHONPATH,
 would hide the distribution's, a venv's or the workload's own, so it runs that one after itself.
 """
