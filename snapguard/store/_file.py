@@ -130,24 +130,9 @@ class FileStore(Store):
             pass
 
     def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
-        import hashlib
-
         tmp, out = self._tmp(key)
-        digests = []
         try:
-            for off in range(0, max(size, 1), SPAN):
-                h, done, length = hashlib.sha256(), 0, min(SPAN, size - off)
-                while done < length:
-                    block = os.pread(fd, min(_READ, length - done), off + done)
-                    if not block:
-                        break
-                    h.update(block)
-                    view = memoryview(block)
-                    while view:
-                        view = view[os.write(out, view):]
-                    done += len(block)
-                    progress.add(len(block))
-                digests.append(h.digest())
+            digests = _copy_spans(fd, out, size, progress)
             os.fsync(out)
         except BaseException:
             os.close(out)
@@ -159,31 +144,38 @@ class FileStore(Store):
         return digests
 
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
-        import hashlib
-
         fd = self._open(key)
         if fd is None:
             raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} is missing from the store",
                                  evidence={"store": self.url, "key": key})
-        digests = []
         try:
             if os.fstat(fd).st_size != size:
                 raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} in the store has "
                                      f"{os.fstat(fd).st_size} bytes, manifest says {size}",
                                      evidence={"store": self.url, "key": key})
-            for off in range(0, max(size, 1), SPAN):
-                h, done, length = hashlib.sha256(), 0, min(SPAN, size - off)
-                while done < length:
-                    block = os.pread(fd, min(_READ, length - done), off + done)
-                    if not block:
-                        break
-                    h.update(block)
-                    view = memoryview(block)
-                    while view:
-                        view = view[os.write(out_fd, view):]
-                    done += len(block)
-                    progress.add(len(block))
-                digests.append(h.digest())
+            return _copy_spans(fd, out_fd, size, progress)
         finally:
             os.close(fd)
-        return digests
+
+
+def _copy_spans(src: int, out: int, size: int, progress: Progress) -> list[bytes]:
+    """Copy `size` bytes from src to out (at out's offset), hashing each SPAN as it passes: the
+    span digests of the manifest's scheme, computed from the bytes actually copied. A file that
+    ends early yields a short span, whose digest then disagrees with the manifest."""
+    import hashlib
+
+    digests = []
+    for off in range(0, max(size, 1), SPAN):
+        h, done, length = hashlib.sha256(), 0, min(SPAN, size - off)
+        while done < length:
+            block = os.pread(src, min(_READ, length - done), off + done)
+            if not block:
+                break
+            h.update(block)
+            view = memoryview(block)
+            while view:
+                view = view[os.write(out, view):]
+            done += len(block)
+            progress.add(len(block))
+        digests.append(h.digest())
+    return digests
