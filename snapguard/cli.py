@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     rt.add_argument("--images", metavar="DIR", help="image directory (root-owned, root-only); with --from, where "
                     "the fetched image goes")
     rt.add_argument("--tcp-established", action="store_true", help="restore established TCP connections")
+    rt.add_argument("--device-map", type=_device_map, metavar="OLD=NEW[,...]",
+                    help="restore the image's GPUs onto others: OLD is the image's GPU (its index in the "
+                         "manifest, or its UUID), NEW this host's (NVML index or UUID); name every GPU the "
+                         "image used. Default: the same GPUs, or by index when they are not here")
     rt.add_argument("--json", action="store_true", help="print the result record as JSON")
 
     rs = sub.add_parser("reasons", help="list the typed failure reasons",
@@ -277,8 +281,18 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         raise SnapguardError(Reason.USAGE_ERROR, "restore needs --images DIR or --from URL")
     config = load()
     req = pipeline.Request(os.path.abspath(args.images), tcp_established=args.tcp_established,
-                           timeouts=pipeline.Timeouts.from_config(config))
+                           device_map=args.device_map, timeouts=pipeline.Timeouts.from_config(config))
     return _snapshot(args, req.work_dir, lambda: pipeline.restore(pipeline.CriuRunner(config.criu), req, config))
+
+
+def _device_map(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for part in text.split(","):
+        old, sep, new = part.strip().partition("=")
+        if not sep or not old or not new or not all(c.isalnum() or c == "-" for c in old + new):
+            raise argparse.ArgumentTypeError(f"{part!r} is not OLD=NEW (a GPU index or UUID on each side)")
+        pairs.append((old, new))
+    return tuple(pairs)
 
 
 def _seconds(text: str) -> float:
@@ -609,7 +623,7 @@ def _cmd_restore_from(args: argparse.Namespace) -> int:
         config = load()
         result = pipeline.restore_from(args.from_url, config, job=args.job, image=args.image, images=args.images,
                                        tcp_established=args.tcp_established, file_checkpoint=args.file_checkpoint,
-                                       progress_stream=_progress(args))
+                                       device_map=args.device_map, progress_stream=_progress(args))
     except Exception as e:
         failure = failure_from(e)
         fallback = failure.evidence.get("file_checkpoint") or args.file_checkpoint

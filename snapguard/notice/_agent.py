@@ -387,8 +387,8 @@ class Agent:
                 self.log(f"{key} (job {w.get('job')}) no longer runs: not snapshotted")
                 continue
             image = self._snapshot(key, w, notice)
-            if image and self.store_url:
-                self._upload(key, {**w, "image": image})
+            if image and self.store_url and not self.registry.load().get(key, {}).get("uploaded"):
+                self._upload(key, {**w, "image": image})  # not streamed, or the stream failed: push it whole
         seen = self._notices()
         seen[notice.id]["status"] = "done"
         seen[notice.id]["done"] = time.time()
@@ -432,10 +432,16 @@ class Agent:
         self.journal("snapshot_started", key=key, image=image, notice=notice.id, job=w["job"])
         self.log(f"snapshotting {key} (job {w['job']}) into {image}, stopping it")
         start = time.monotonic()
+        stream = None
         try:
+            files.ensure_private_dir(image)
+            stream = self._start_stream(key, w, image) if self.store_url else None
             req = pipeline.Request(image, leave_running=False, timeouts=pipeline.Timeouts.from_config(self.config))
             result = pipeline.checkpoint(self._runner(w, image), req, self.config)
         except Exception as e:
+            if stream is not None:
+                stream.abort()
+                self.journal("upload_aborted", key=key, image=image)
             failure = failure_from(e)
             if os.path.isdir(image) and not _marked(image):
                 self._discard(image, f"snapshot failed: {failure.reason.name}")
@@ -451,7 +457,55 @@ class Agent:
                      image_bytes=result.get("image_bytes"))
         self.registry.update(key, state="snapshotted", image=image, uploaded=False, notice=notice.id)
         self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s)")
+        if stream is not None:
+            self._finish_stream(key, w, image, stream, start)
         return image
+
+    def _start_stream(self, key: str, w: dict[str, Any], image: str) -> Any:
+        """Start sending the image to the store while CRIU writes it (snapguard.store's
+        StreamingPush); None when the store refuses or cannot be reached: the sealed image is then
+        pushed after the seal, as a restarted agent does."""
+        name = os.path.basename(image)
+        try:
+            from .. import store as store_mod
+
+            store = store_mod.open_store(str(self.store_url))
+            epoch = w.get("epoch")
+            epoch = store.current_epoch(w["job"]) if epoch is None else int(epoch)
+            stream = store.stream(image, w["job"], name=name, epoch=epoch,
+                                  progress=store_mod.Progress(callback=self._progress_logger(name)))
+        except Exception as e:
+            f = failure_from(e)
+            self.journal("stream_refused", key=key, image=image, record=f.to_dict())
+            self.log(f"{name}: not streamed to {self.store_url} ({f.message}); pushing after the seal")
+            return None
+        self.journal("upload_started", key=key, image=image, store=self.store_url, streaming=True, epoch=epoch)
+        return stream
+
+    def _finish_stream(self, key: str, w: dict[str, Any], image: str, stream: Any, start: float) -> None:
+        name = os.path.basename(image)
+        try:
+            ref = stream.finish()
+        except Exception as e:
+            f = failure_from(e)
+            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{name} to {self.store_url}: {f.message}",
+                              evidence={"image": image, "cause": f.reason.name})
+            self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
+            self.log(failure.message)
+            return
+        self.journal("uploaded", key=key, image=image, store=self.store_url, streaming=True,
+                     seconds=round(time.monotonic() - start, 3), streamed_bytes=stream.streamed_bytes,
+                     resent=stream.resent, result={"job": ref.job, "name": ref.name, "epoch": ref.epoch})
+        self.registry.update(key, uploaded=True)
+        self.log(f"uploaded {name} to {self.store_url}, whole {time.monotonic() - start:.2f} s after the snapshot "
+                 f"began ({stream.streamed_bytes >> 20} MiB of it sent while CRIU wrote)")
+
+    def _progress_logger(self, name: str) -> Callable[[dict[str, Any]], None]:
+        def report(state: dict[str, Any]) -> None:
+            eta = f", ETA {state['eta_s']:.0f} s" if state.get("eta_s") is not None else ""
+            self.log(f"uploading {name}: {state['bytes'] >> 20}/{state['total'] >> 20} MiB, "
+                     f"{state['rate_bps'] / 2**20:.0f} MiB/s{eta}")
+        return report
 
     def _upload(self, key: str, w: dict[str, Any]) -> None:
         image = w["image"]

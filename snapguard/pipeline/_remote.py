@@ -100,6 +100,7 @@ def pull_image(url: str, images: str, *, job: str | None = None, image: str | No
 
 def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
                  images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
+                 device_map: tuple[tuple[str, str], ...] | None = None,
                  progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Fetch, fence and restore; SnapguardError on any refusal, its evidence naming the job's
     file checkpoint (`file_checkpoint`, else the newest registered in the store) when known."""
@@ -133,6 +134,7 @@ def restore_from(url: str, config: Config, *, job: str | None = None, image: str
         write_private_json(epoch_file, {"job": job, "epoch": epoch, "store": store.url, "image": ref.name,
                                         "images": pulled.image_dir})
         req = Request(pulled.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
+                      device_map=device_map,
                       verified_digests=_bound(pulled.image_dir, pulled.digests))
         result = restore(CriuRunner(config.criu), req, config)
     except SnapguardError as e:

@@ -232,7 +232,7 @@ def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Findi
 def _device_map(req: Request, report: preflight.Report, config: Config) -> list[tuple[str, str]] | None:
     """The GPU remapping a restore needs, checked to be one the cuda-checkpoint in use applies."""
     if req.device_map is not None:
-        pairs: list[tuple[str, str]] | None = [tuple(p) for p in req.device_map]  # type: ignore[misc]
+        pairs: list[tuple[str, str]] | None = _resolve_device_map(req.device_map, report)
     else:
         pairs = next(([(old, new) for old, new in f.evidence["device_map"]] for f in report.findings
                       if f.reason is Reason.GPU_IDENTITY_MISMATCH and "device_map" in f.evidence), None)
@@ -248,6 +248,37 @@ def _device_map(req: Request, report: preflight.Report, config: Config) -> list[
                              f"the image's GPUs are not here and {tool} cannot take a device map from CRIU's "
                              "plugin; install snapguard-cuda-checkpoint at the pinned path",
                              evidence={"device_map": pairs, "cuda_checkpoint": tool})
+    return pairs
+
+
+def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Report) -> list[tuple[str, str]]:
+    """An operator's map, OLD=NEW pairs: a GPU UUID as is, an index on the OLD side naming the
+    image's GPU of that index (its manifest), on the NEW side this host's (NVML). Every NEW GPU
+    must be here and of the image GPU's model: the driver refuses anything else, later and less
+    clearly."""
+    image_gpus = ((report.facts.get("manifest") or {}).get("gpu") or {}).get("gpus") or []
+    host_gpus = (report.facts.get("gpu") or {}).get("gpus") or []
+
+    def pick(gpus: list[dict[str, Any]], key: str, side: str) -> dict[str, Any]:
+        found = [g for g in gpus if (str(g.get("index")) == key if key.isdigit() else g.get("uuid") == key)]
+        if not found:
+            where = "the image" if side == "old" else "this host"
+            raise SnapguardError(Reason.GPU_IDENTITY_MISMATCH, f"device map: {where} has no GPU {key}",
+                                 evidence={"device_map": [list(p) for p in given], "gpu": key})
+        return found[0]
+
+    pairs = []
+    for old_key, new_key in given:
+        old = pick(image_gpus, old_key, "old") if image_gpus or old_key.isdigit() else {"uuid": old_key}
+        new = pick(host_gpus, new_key, "new")
+        if old.get("name") not in (None, new.get("name")):
+            raise SnapguardError(Reason.GPU_MODEL_MISMATCH, f"device map {old_key}={new_key}: the image's GPU is "
+                                 f"a {old['name']}, this host's is a {new.get('name')}",
+                                 evidence={"device_map": [list(p) for p in given]})
+        pairs.append((str(old["uuid"]), str(new["uuid"])))
+    if len({o for o, _ in pairs}) != len(pairs) or len({n for _, n in pairs}) != len(pairs):
+        raise SnapguardError(Reason.USAGE_ERROR, "device map: each GPU may appear once on each side",
+                             evidence={"device_map": pairs})
     return pairs
 
 

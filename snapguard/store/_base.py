@@ -181,6 +181,21 @@ class Store:
         """Write `key` (expected `size` bytes) into out_fd; the sha256 of each span as it arrived."""
         raise NotImplementedError
 
+    # an object sent span by span while its file still grows (StreamingPush): span i of SPAN bytes
+    # (the last one shorter) may arrive in any order and from several threads; nothing is
+    # visible under `key` before `_commit`, and `_abort` leaves nothing behind
+    def _begin(self, key: str) -> Any:
+        raise NotImplementedError
+
+    def _part(self, handle: Any, index: int, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _commit(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def _abort(self, handle: Any) -> None:
+        raise NotImplementedError
+
     # ---- fencing ----------------------------------------------------------------------------
     def take_epoch(self, job: str, expect: int | None = None, note: dict[str, Any] | None = None) -> int:
         return _fencing.take_epoch(self, check_name("job", job), expect, note)
@@ -273,27 +288,10 @@ class Store:
             try:
                 for fname, entry in sorted(files.items()):
                     _check_member(fname)
-                    fd = _open_member(dir_fd, image_dir, fname, entry["size"])
-                    try:
-                        written.append(prefix + fname)
-                        digest = combine(self._upload(prefix + fname, fd, entry["size"], progress))
-                    finally:
-                        os.close(fd)
-                    if digest != entry["sha256"]:
-                        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} in {image_dir} has sha256 "
-                                             f"{digest[:16]}..., manifest says {entry['sha256'][:16]}...: not "
-                                             "uploaded", evidence={"image": image_dir, "path": fname})
-                record = {"epoch": epoch, "job": job, "name": name, "files": len(files), "image_bytes": total,
-                          "host": socket.gethostname(), "time": time.time(),
-                          "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
-                for key, data in ((prefix + MANIFEST_NAME, manifest_bytes),
-                                  (prefix + STORE_RECORD, json.dumps(record, sort_keys=True).encode())):
-                    written.append(key)
-                    self._put(key, data)
-                self.check_epoch(job, epoch)  # the commit point: a restore elsewhere since? then no marker
-                if not self._put_new(prefix + MARKER_NAME, marker):
-                    raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"image {name} of job {job} was marked by "
-                                         "another writer while this one uploaded it")
+                    written.append(prefix + fname)
+                    _upload_member(self, dir_fd, image_dir, prefix, fname, entry, progress)
+                written += [prefix + MANIFEST_NAME, prefix + STORE_RECORD]
+                ref = self._commit_image(job, name, epoch, manifest_bytes, marker, len(files), total)
             except BaseException:
                 for key in reversed(written):
                     try:
@@ -304,6 +302,36 @@ class Store:
             progress.report(final=True)
         finally:
             os.close(dir_fd)
+        return ref
+
+    def stream(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
+               progress: Progress | None = None, parallel: int = 4) -> Any:
+        """Start uploading the image being written into image_dir (see snapguard.store._stream);
+        refused with FENCED before anything is sent when a newer epoch exists. Returns the
+        running StreamingPush: `finish()` after the seal, `abort()` on failure."""
+        from ._stream import StreamingPush
+
+        job = check_name("job", job)
+        name = check_name("image", name or new_image_name())
+        self.check_epoch(job, epoch)
+        if self._list(f"{job}/images/{name}/"):
+            raise SnapguardError(Reason.USAGE_ERROR, f"the store already holds image {name} of job {job}")
+        return StreamingPush(self, image_dir, job, name, epoch, progress or Progress(), parallel=parallel).start()
+
+    def _commit_image(self, job: str, name: str, epoch: int, manifest_bytes: bytes, marker: bytes, nfiles: int,
+                      total: int) -> ImageRef:
+        """Every file is in the store: the manifest, the store record, the fencing check, and
+        last the create-only marker (the commit point)."""
+        prefix = f"{job}/images/{name}/"
+        record = {"epoch": epoch, "job": job, "name": name, "files": nfiles, "image_bytes": total,
+                  "host": socket.gethostname(), "time": time.time(),
+                  "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+        self._put(prefix + MANIFEST_NAME, manifest_bytes)
+        self._put(prefix + STORE_RECORD, json.dumps(record, sort_keys=True).encode())
+        self.check_epoch(job, epoch)  # a restore elsewhere since? then no marker
+        if not self._put_new(prefix + MARKER_NAME, marker):
+            raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"image {name} of job {job} was marked by "
+                                 "another writer while this one uploaded it")
         return ImageRef(self.url, job, name, True, epoch)
 
     # ---- pull -------------------------------------------------------------------------------
@@ -381,6 +409,20 @@ class Store:
         epoch = record.get("epoch")
         ref = ImageRef(self.url, ref.job, ref.name, True, epoch if isinstance(epoch, int) else None)
         return Pulled(ref, dest, manifest, digests, record, total, time.monotonic() - t0)
+
+
+def _upload_member(store: Store, dir_fd: int, image_dir: str, prefix: str, fname: str, entry: dict[str, Any],
+                   progress: Progress) -> None:
+    """Upload one sealed image file, verified against its manifest entry as it is read."""
+    fd = _open_member(dir_fd, image_dir, fname, entry["size"])
+    try:
+        digest = combine(store._upload(prefix + fname, fd, entry["size"], progress))
+    finally:
+        os.close(fd)
+    if digest != entry["sha256"]:
+        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} in {image_dir} has sha256 {digest[:16]}..., "
+                             f"manifest says {entry['sha256'][:16]}...: not uploaded",
+                             evidence={"image": image_dir, "path": fname})
 
 
 def _check_member(name: Any) -> None:

@@ -143,6 +143,35 @@ class FileStore(Store):
         self._sync_dir(tmp)
         return digests
 
+    def _begin(self, key: str) -> tuple[str, str, int]:
+        tmp, fd = self._tmp(key)
+        return key, tmp, fd
+
+    def _part(self, handle: tuple[str, str, int], index: int, data: bytes) -> None:
+        off, view = index * SPAN, memoryview(data)
+        while view:
+            n = os.pwrite(handle[2], view, off)
+            view, off = view[n:], off + n
+
+    def _commit(self, handle: tuple[str, str, int]) -> None:
+        key, tmp, fd = handle
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._path(key))
+        self._sync_dir(tmp)
+
+    def _abort(self, handle: tuple[str, str, int]) -> None:
+        try:
+            os.close(handle[2])
+        except OSError:
+            pass
+        try:
+            os.unlink(handle[1])
+        except FileNotFoundError:
+            pass
+
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
         fd = self._open(key)
         if fd is None:

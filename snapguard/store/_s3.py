@@ -178,6 +178,33 @@ class S3Store(Store):
             raise
         return [d for d, _ in results]
 
+    def _begin(self, key: str) -> dict[str, Any]:
+        k = self._key(key)
+        upload_id = self._call(f"start upload {key}", lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=k)["UploadId"])
+        return {"key": key, "k": k, "id": upload_id, "parts": {}}
+
+    def _part(self, handle: dict[str, Any], index: int, data: bytes) -> None:
+        b64, hexd = _md5(data)
+        key, k, n = handle["key"], handle["k"], index + 1
+        r = self._call(f"upload part {n} of {key}", lambda: self.client.upload_part(
+            Bucket=self.bucket, Key=k, UploadId=handle["id"], PartNumber=n, Body=data, ContentMD5=b64))
+        if r["ETag"].strip('"') != hexd:
+            raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"part {n} of {key}: the store answered ETag "
+                                 f"{r['ETag']}, the part's MD5 is {hexd}", evidence={"store": self.url})
+        handle["parts"][n] = r["ETag"]
+
+    def _commit(self, handle: dict[str, Any]) -> None:
+        parts = [{"PartNumber": n, "ETag": etag} for n, etag in sorted(handle["parts"].items())]
+        self._call(f"complete upload {handle['key']}", lambda: self.client.complete_multipart_upload(
+            Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"], MultipartUpload={"Parts": parts}))
+
+    def _abort(self, handle: dict[str, Any]) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"])
+        except Exception:  # best effort: an unfinished multipart upload is never an object
+            pass
+
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
         from botocore.exceptions import ClientError
 

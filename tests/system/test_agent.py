@@ -207,9 +207,15 @@ def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str,
     assert kinds.count("snapshot_sealed") == 1 and "notice_done" in kinds[kinds.index("snapshot_sealed"):]
 
 
-def test_once_uploads_into_a_file_store(tmp_path: Path, env: dict[str, str], counters) -> None:
+def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> None:
+    """The image goes to the store while CRIU writes it: a workload with 512 MiB of memory, whose
+    pages file passes several 64 MiB spans during the dump; the marker only after the seal."""
     store_mod = pytest.importorskip("snapguard.store")
-    job = counters("up")
+    log = tmp_path / "up.log"
+    job = subprocess.Popen([sys.executable, "-c", "import os\nblob = os.urandom(512 << 20)\n" + COUNTER, str(log)],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 60, "the workload counting")
     assert snapguard("protect", "--pid", str(job.pid), "--job", "train-d", env=env).returncode == 0
     assert snapguard("notice", "--reason", "test", env=env).returncode == 0
     store = tmp_path / "store"
@@ -220,9 +226,13 @@ def test_once_uploads_into_a_file_store(tmp_path: Path, env: dict[str, str], cou
     job.wait(timeout=10)
     events = [json.loads(x) for x in (Path(env["SNAPGUARD_STATE_DIR"]) / "agent" / "journal.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
-    assert kinds.index("snapshot_sealed") < kinds.index("upload_started") < kinds.index("uploaded"), out.stderr
+    assert kinds.index("upload_started") < kinds.index("snapshot_sealed") < kinds.index("uploaded"), out.stderr
+    uploaded = events[kinds.index("uploaded")]
+    assert uploaded["streaming"] and uploaded["streamed_bytes"] >= store_mod.SPAN and uploaded["resent"] == []
     refs = store_mod.open_store(f"file://{store}").images("train-d")
     assert len(refs) == 1 and refs[0].complete
+    pulled = store_mod.open_store(f"file://{store}").pull(refs[0], str(tmp_path / "pulled"))
+    assert pulled.bytes > (512 << 20)
 
 
 def test_typed_errors(tmp_path: Path, env: dict[str, str]) -> None:

@@ -241,6 +241,85 @@ def test_stale_snapshot_push_is_fenced_and_writes_nothing(store_url: str, sealed
     assert store.push(str(sealed), "job1", name="new-node-1", epoch=1).complete
 
 
+def _grow(path: Path, chunks: list[bytes], hold: threading.Event | None = None, at: int = 0) -> None:
+    """Write the chunks in order; with `hold`, stop after `at` of them until it is set (a
+    writer still writing, deterministically)."""
+    with open(path, "wb") as f:
+        for i, c in enumerate(chunks):
+            if hold is not None and i == at:
+                assert hold.wait(120)
+            f.write(c)
+            f.flush()
+
+
+def _fields(sealed: Path) -> dict:
+    """A real manifest's fields, for sealing a directory of made-up files."""
+    doc = json.loads((sealed / image.MANIFEST_NAME).read_text())
+    return {k: v for k, v in doc.items() if k not in ("schema", "snapguard_version", "epoch", "files", "image_bytes")}
+
+
+def test_streaming_push_overlaps_the_writer_and_the_manifest_decides(store_url: str, sealed: Path,
+                                                                     tmp_path: Path) -> None:
+    """Spans go out while their file grows; the sealed manifest is the authority at finish(): a
+    file rewritten after its span went out is sent again whole, a file the manifest does not list
+    is dropped, and nothing counts before the marker."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    store = open_store(store_url)
+    stream = store.stream(str(d), "job-s", name="one")
+    pages = [os.urandom(16 << 20) for _ in range(13)]  # 3 spans + 16 MiB
+    hold = threading.Event()
+    writer = threading.Thread(target=_grow, args=(d / "pages-1.img", pages, hold, 9))
+    writer.start()
+    # the overlap: two whole spans are in the store while the writer still writes
+    deadline = time.monotonic() + 60
+    while stream.streamed_bytes < 2 * SPAN and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.streamed_bytes == 2 * SPAN and writer.is_alive()
+    assert store.newest("job-s") is None
+    hold.set()
+    writer.join()
+    _grow(d / "rewritten.img", [os.urandom(SPAN), os.urandom(1 << 20)])
+    _grow(d / "gone.img", [os.urandom(SPAN + 1)])
+    (d / "core-1.img").write_bytes(b"small")
+    deadline = time.monotonic() + 60
+    while stream.streamed_bytes < 5 * SPAN and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(d / "rewritten.img", "r+b") as f:  # back over a span already sent
+        f.write(b"X" * 4096)
+    os.unlink(d / "gone.img")
+    assert store.newest("job-s") is None  # nothing marked while the image is unsealed
+    manifest = image.seal(str(d), _fields(sealed))
+    ref = stream.finish()
+    assert ref.complete and stream.resent == ["rewritten.img"]
+    assert sorted(manifest["files"]) == ["core-1.img", "pages-1.img", "rewritten.img"]
+    pulled = store.pull(ref, str(tmp_path / "out"))
+    for name in manifest["files"]:
+        assert (Path(pulled.image_dir) / name).read_bytes() == (d / name).read_bytes(), name
+    assert not [k for k in store._list("job-s/") if "gone" in k]
+
+
+def test_streaming_push_aborted_leaves_nothing_and_is_fenced_first(store_url: str, tmp_path: Path) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    store = open_store(store_url)
+    stream = store.stream(str(d), "job-a", name="dies")
+    _grow(d / "pages-1.img", [os.urandom(SPAN + 5)])
+    deadline = time.monotonic() + 60
+    while stream.streamed_bytes < SPAN and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.streamed_bytes == SPAN
+    stream.abort()  # the dump failed
+    assert store._list("job-a/") == [] and store.images("job-a", whole_only=False) == []
+    # finish() without a sealed image refuses and leaves nothing either
+    stream = store.stream(str(d), "job-a", name="unsealed")
+    assert reason_of(stream.finish) is Reason.IMAGE_INCOMPLETE
+    assert store._list("job-a/") == []
+    assert store.take_epoch("job-a", expect=0) == 1  # restored elsewhere: a late stream sends nothing
+    assert reason_of(lambda: store.stream(str(d), "job-a", name="late", epoch=0)) is Reason.FENCED
+    assert [k for k in store._list("job-a/") if "/images/" in k] == []
+
+
 def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path) -> None:
     """Node a snapshots a counter (stop) and pushes it; node b, a network namespace of its own
     reaching the store over its veth, restores it with --from; the counter continues exactly.
