@@ -255,7 +255,10 @@ def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Re
     """An operator's map, OLD=NEW pairs: a GPU UUID as is, an index on the OLD side naming the
     image's GPU of that index (its manifest), on the NEW side this host's (NVML). Every NEW GPU
     must be here and of the image GPU's model: the driver refuses anything else, later and less
-    clearly."""
+    clearly. The map is completed into one naming every GPU of the image's node, the ones left
+    out onto this host's unused GPUs in index order: r580's cuCheckpointProcessRestore refuses a
+    map that leaves any out (CUDA_ERROR_INVALID_VALUE, even for a process that saw one GPU
+    through CUDA_VISIBLE_DEVICES; bench/results/h200x2/remap-probe-*.json)."""
     image_gpus = ((report.facts.get("manifest") or {}).get("gpu") or {}).get("gpus") or []
     host_gpus = (report.facts.get("gpu") or {}).get("gpus") or []
 
@@ -279,7 +282,13 @@ def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Re
     if len({o for o, _ in pairs}) != len(pairs) or len({n for _, n in pairs}) != len(pairs):
         raise SnapguardError(Reason.USAGE_ERROR, "device map: each GPU may appear once on each side",
                              evidence={"device_map": pairs})
-    return pairs
+    left_old = [str(g["uuid"]) for g in image_gpus if str(g["uuid"]) not in {o for o, _ in pairs}]
+    left_new = [str(g["uuid"]) for g in host_gpus if str(g["uuid"]) not in {n for _, n in pairs}]
+    if len(left_new) < len(left_old):
+        raise SnapguardError(Reason.GPU_COUNT_MISMATCH, f"device map: the image's node had {len(image_gpus)} GPU(s), "
+                             f"this host has {len(host_gpus)}; the driver needs every one of them mapped",
+                             evidence={"device_map": pairs})
+    return pairs + list(zip(left_old, left_new))
 
 
 def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:

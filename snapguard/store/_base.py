@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import socket
-import stat
 import sys
 import threading
 import time
@@ -33,20 +32,19 @@ from typing import IO, Any, Callable
 
 from .. import image, trust
 from ..files import write_private_bytes
-from ..names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
+from ..names import MANIFEST_NAME, MARKER_NAME
 from ..reasons import Reason, SnapguardError
 from . import _fencing
 from ._digest import combine
+from ._members import STORE_RECORD, check_member, read_sealed, upload_member
 
 __all__ = ["ImageRef", "Progress", "Pulled", "Store", "STORE_RECORD"]
 
 log = logging.getLogger("snapguard.store")
 
-STORE_RECORD = "snapguard-store.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _SMALL_CAP = 64 << 20  # the largest manifest image.py accepts
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def check_name(kind: str, name: str) -> str:
@@ -276,7 +274,7 @@ class Store:
         self.check_epoch(job, epoch)
         dir_fd = _open_local(image_dir)
         try:
-            marker, manifest_bytes, manifest = _read_sealed(dir_fd, image_dir)
+            marker, manifest_bytes, manifest = read_sealed(dir_fd, image_dir)
             prefix = f"{job}/images/{name}/"
             if self._list(prefix):
                 raise SnapguardError(Reason.USAGE_ERROR, f"the store already holds image {name} of job {job}")
@@ -287,9 +285,9 @@ class Store:
             written: list[str] = []
             try:
                 for fname, entry in sorted(files.items()):
-                    _check_member(fname)
+                    check_member(fname)
                     written.append(prefix + fname)
-                    _upload_member(self, dir_fd, image_dir, prefix, fname, entry, progress)
+                    upload_member(self, dir_fd, image_dir, prefix, fname, entry, progress)
                 written += [prefix + MANIFEST_NAME, prefix + STORE_RECORD]
                 ref = self._commit_image(job, name, epoch, manifest_bytes, marker, len(files), total)
             except BaseException:
@@ -369,7 +367,7 @@ class Store:
         manifest = image.validate_manifest(manifest, ref.url)
         files: dict[str, dict[str, Any]] = manifest["files"]
         for fname in files:
-            _check_member(fname)
+            check_member(fname)
         if check_manifest is not None:
             check_manifest(manifest)
         record = self._record(ref.job, ref.name)
@@ -411,27 +409,6 @@ class Store:
         return Pulled(ref, dest, manifest, digests, record, total, time.monotonic() - t0)
 
 
-def _upload_member(store: Store, dir_fd: int, image_dir: str, prefix: str, fname: str, entry: dict[str, Any],
-                   progress: Progress) -> None:
-    """Upload one sealed image file, verified against its manifest entry as it is read."""
-    fd = _open_member(dir_fd, image_dir, fname, entry["size"])
-    try:
-        digest = combine(store._upload(prefix + fname, fd, entry["size"], progress))
-    finally:
-        os.close(fd)
-    if digest != entry["sha256"]:
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} in {image_dir} has sha256 {digest[:16]}..., "
-                             f"manifest says {entry['sha256'][:16]}...: not uploaded",
-                             evidence={"image": image_dir, "path": fname})
-
-
-def _check_member(name: Any) -> None:
-    """A file name from a manifest that may come from anywhere: one plain component."""
-    if (not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", "..")
-            or name in NOT_IMAGE_FILES or name == STORE_RECORD or name.startswith(".tmp-")):
-        raise SnapguardError(Reason.MANIFEST_INVALID, f"manifest lists {name!r}, which is not an image file name")
-
-
 def _make_dest(dest: str) -> str:
     """A new or empty directory of root's alone for a pulled image."""
     try:
@@ -455,53 +432,6 @@ def _open_local(image_dir: str) -> int:
         os.close(fd)
         raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {image_dir} is not root's alone",
                              evidence={"image": image_dir})
-    return fd
-
-
-def _read_small(dir_fd: int, name: str, cap: int) -> bytes | None:
-    try:
-        fd = os.open(name, _O_FILE, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"{name} is not a regular file of at most {cap} bytes")
-        return os.read(fd, cap + 1)
-    finally:
-        os.close(fd)
-
-
-def _read_sealed(dir_fd: int, image_dir: str) -> tuple[bytes, bytes, dict[str, Any]]:
-    """(marker, manifest bytes, validated manifest) of a local image, which must be whole."""
-    marker = _read_small(dir_fd, MARKER_NAME, 4096)
-    if marker is None:
-        raise SnapguardError(Reason.IMAGE_INCOMPLETE, f"{image_dir} has no {MARKER_NAME}: not a whole image, "
-                             "nothing pushed", evidence={"image": image_dir})
-    manifest_bytes = _read_small(dir_fd, MANIFEST_NAME, _SMALL_CAP) or b""
-    try:
-        expected = json.loads(marker)["manifest_sha256"]
-        manifest = json.loads(manifest_bytes)
-    except (ValueError, KeyError, TypeError):
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"marker or manifest of {image_dir} is unreadable",
-                             evidence={"image": image_dir}) from None
-    if hashlib.sha256(manifest_bytes).hexdigest() != expected:
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"{MANIFEST_NAME} of {image_dir} does not match its marker",
-                             evidence={"image": image_dir})
-    return marker, manifest_bytes, image.validate_manifest(manifest, image_dir)
-
-
-def _open_member(dir_fd: int, image_dir: str, name: str, size: int) -> int:
-    try:
-        fd = os.open(name, _O_FILE, dir_fd=dir_fd)
-    except OSError as e:
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {name} in {image_dir}: {e.strerror}",
-                             evidence={"image": image_dir, "path": name}) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        os.close(fd)
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {name} in {image_dir} is not a regular file of "
-                             f"{size} bytes", evidence={"image": image_dir, "path": name})
     return fd
 
 

@@ -20,13 +20,11 @@ import stat
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..names import NOT_IMAGE_FILES
 from ._digest import SPAN, combine
-
-if TYPE_CHECKING:
-    from ._base import ImageRef, Progress, Store
+from ._members import check_member, read_sealed, upload_member
 
 __all__ = ["StreamingPush"]
 
@@ -49,7 +47,7 @@ class StreamingPush:
     """See the module docstring. Use as `with store.stream(dir, job, ...) as s: <dump, seal>;
     s.finish()`; leaving the block without finish() aborts."""
 
-    def __init__(self, store: Store, image_dir: str, job: str, name: str, epoch: int, progress: Progress,
+    def __init__(self, store: Any, image_dir: str, job: str, name: str, epoch: int, progress: Any,
                  *, parallel: int = 4, poll_s: float = 0.02) -> None:
         self.store, self.image_dir, self.job, self.name, self.epoch = store, image_dir, job, name, epoch
         self.prefix = f"{job}/images/{name}/"
@@ -142,21 +140,19 @@ class StreamingPush:
                 self.streamed_bytes += len(data)
 
     # -- after the seal -----------------------------------------------------------------------
-    def finish(self) -> ImageRef:
+    def finish(self) -> Any:
         """Complete the upload against the sealed manifest; the marker last. Any failure aborts."""
-        from ._base import _check_member, _read_sealed, _upload_member
-
         self._halt()
         try:
             if self._error is not None:
                 raise self._error
             self.finished = True
-            marker, manifest_bytes, manifest = _read_sealed(self._dir_fd, self.image_dir)
+            marker, manifest_bytes, manifest = read_sealed(self._dir_fd, self.image_dir)
             files: dict[str, dict[str, Any]] = manifest["files"]
             total = sum(int(e["size"]) for e in files.values())
             self.progress.total = total
             for fname in files:
-                _check_member(fname)
+                check_member(fname)
             for name in list(self._followers):
                 if name not in files:
                     self._drop(name)
@@ -178,7 +174,7 @@ class StreamingPush:
                     self.store._commit(f.handle)
                     f.handle = None
             todo = [n for n in sorted(files) if n not in self._followers]
-            futures = [self._pool.submit(_upload_member, self.store, self._dir_fd, self.image_dir, self.prefix,
+            futures = [self._pool.submit(upload_member, self.store, self._dir_fd, self.image_dir, self.prefix,
                                          n, files[n], self.progress) for n in todo]
             for fut in futures:
                 fut.result()

@@ -1,0 +1,230 @@
+"""Reclaim recovery on the GPU machine: a notice -> the agent's stopping snapshot streamed into an
+image store -> `snapguard restore --from` on "another node", bit for bit against an uninterrupted run.
+
+Two nodes on one machine: node A (state /run/sg-a, the agent, images written to tmpfs) and node B
+(state /run/sg-b, the pulled image in tmpfs). The store is a file:// directory on the machine's
+disk (/root/sg-reclaim/store: off tmpfs, fsynced, as a shared filesystem would be). With two GPUs
+the trainer runs on GPU 0 (CUDA_VISIBLE_DEVICES=0) and node B restores it onto GPU 1 through the
+device map (`--device-map 0=1`); with one GPU it restores onto the same GPU.
+
+Per run: notice -> image whole in the store (the agent's `uploaded` journal line), notice ->
+first new step after the restore, what the restore spent fetching, bytes moved (into the store and
+out of it), the GPU the restored trainer runs on (NVML), loss bits at every step and the final
+digests against the reference. Runs: `warm` (node B restores straight after the upload: the
+store's pages are still in the page cache) and `cold` (caches dropped after the upload; its
+notice -> first step is reported as measured, with the drop's own time taken out). In the same
+command, the baseline a user has today: the trainer's own file checkpoint (torch.save + fsync)
+written on the notice and a cold start from it.
+
+    source bench/gpu/setup.sh && python3 bench/gpu/reclaim.py bench/results/h200/reclaim-DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from snapguard.config import load
+from snapguard.preflight.gpu import gpu_facts
+from snapguard_lab.torch_drill import Trainer, compare, file_checkpoint_run
+
+BASE = Path("/root/sg-reclaim")
+NODE_A = "/run/sg-a"
+NODE_B = "/run/sg-b"
+JOB = "gpt85m"
+
+
+def exe(name: str) -> str:
+    for d in (os.path.dirname(sys.executable), "/usr/local/bin"):
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    sys.exit(f"reclaim.py: no {name} beside {sys.executable} or in /usr/local/bin")
+
+
+def node_env(state: str) -> dict[str, str]:
+    return {**os.environ, "SNAPGUARD_STATE_DIR": state}
+
+
+def journal(state: str) -> list[dict[str, Any]]:
+    try:
+        lines = Path(state, "agent", "journal.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def wait_event(state: str, name: str, timeout: float) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for ev in journal(state):
+            if ev["event"] == name:
+                return ev
+            if ev["event"] in ("snapshot_failed", "upload_failed"):
+                raise RuntimeError(f"agent: {ev}")
+        time.sleep(0.01)
+    raise TimeoutError(f"no {name} in the agent's journal")
+
+
+def gpu_of(pid: int) -> int | None:
+    facts = gpu_facts() or {}
+    for g in facts.get("gpus", []):
+        if pid in g.get("processes", {}):
+            return int(g["index"])
+    return None
+
+
+def drop_caches() -> float:
+    t = time.monotonic()
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return time.monotonic() - t
+
+
+def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int,
+            extra: list[str], gpu_env: dict[str, str], remap: bool, cold: bool) -> dict[str, Any]:
+    store_dir = base / f"store-{tag}"
+    store_url = f"file://{store_dir}"
+    for d in (NODE_A, NODE_B):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d, mode=0o700)
+    os.makedirs(store_dir, mode=0o700)
+    run = Trainer(base, f"reclaim-{tag}", steps, trimmed=True, extra=extra, env=gpu_env)
+    pid = run.start(os.path.join(NODE_A, "take"))
+    agent = subprocess.Popen([exe("snapguard"), "agent", "--store", store_url, "--interval", "0.05",
+                              "--images", os.path.join(NODE_A, "images")], env=node_env(NODE_A),
+                             stdin=subprocess.DEVNULL, stdout=open(base / f"agent-{tag}.log", "wb"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_event(NODE_A, "agent_started", 60)
+        out = subprocess.run([exe("snapguard"), "protect", "--pid", str(pid), "--job", JOB], env=node_env(NODE_A),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        run.wait_step(at)
+        t_notice = time.time()
+        out = subprocess.run([exe("snapguard"), "notice", "--reason", f"reclaim drill {tag}", "--lead", "30"],
+                             env=node_env(NODE_A), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        uploaded = wait_event(NODE_A, "uploaded", 300)
+        events = {e["event"]: e for e in journal(NODE_A)}
+        assert run.proc is not None
+        run.proc.wait(timeout=60)  # CRIU ended it: reaped, so its pid is free for the restore
+        last_before = run.rows()[-1][0]
+        dropped = drop_caches() if cold else 0.0
+        t_restore = time.time()
+        argv = [exe("snapguard"), "restore", "--from", store_url, "--job", JOB, "--json"]
+        if remap:
+            argv += ["--device-map", "0=1"]
+        rs = subprocess.run(argv, env=node_env(NODE_B), capture_output=True, text=True, timeout=300)
+        t_restored = time.time()
+        if rs.returncode != 0:
+            raise RuntimeError(f"restore --from: exit {rs.returncode}: {rs.stderr.strip()[-2000:]}")
+        restored = json.loads(rs.stdout)
+        run.restored_pid = restored["pid"]
+        first = run.first_step_after(t_restore)
+        on_gpu = gpu_of(restored["pid"])
+        result = run.wait_done(pid=restored["pid"])
+    except BaseException:
+        run.kill()
+        raise
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+    sealed = events["snapshot_sealed"]
+    row = {
+        "run": tag, "page_cache": "cold (dropped after the upload)" if cold else "warm",
+        "remap": "GPU 0 -> GPU 1" if remap else "same GPU", "restored_on_gpu": on_gpu,
+        "snapshot_at_step": at, "last_step_before": last_before, "first_new_step": first[0],
+        "notice_to_agent_s": events["noticed"]["t"] - t_notice,
+        "notice_to_sealed_s": sealed["t"] - t_notice,
+        "notice_to_image_whole_s": uploaded["t"] - t_notice,
+        "streamed_bytes": uploaded.get("streamed_bytes"), "resent": uploaded.get("resent"),
+        "image_bytes": sealed.get("image_bytes"),
+        "bytes_moved": {"into_store": sealed.get("image_bytes"), "out_of_store": restored["fetch"]["bytes"]},
+        "drop_caches_s": dropped,
+        "restore_fetch_s": restored["fetch"]["seconds"], "restore_timings": restored["timings"],
+        "restore_to_first_new_step_s": first[2] - t_restore, "restore_command_s": t_restored - t_restore,
+        "notice_to_first_new_step_s": first[2] - t_notice - dropped,
+        "fence_epoch": restored.get("fence_epoch"), "device_map": restored.get("device_map"),
+    }
+    row.update(compare(ref, run, ref_result, result))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="JSON results path (a .txt beside it gets the table)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--at", type=int, default=100)
+    ap.add_argument("--runs", default="warm,cold", help="warm, cold or both (default)")
+    ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("reclaim.py: run as root")
+    facts = gpu_facts() or {}
+    ngpu = len(facts.get("gpus", []))
+    remap = ngpu >= 2
+    extra = args.trainer_args.split()
+    gpu_env = {"CUDA_VISIBLE_DEVICES": "0"} if ngpu else {}
+    shutil.rmtree(BASE, ignore_errors=True)
+    BASE.mkdir(mode=0o700, parents=True)
+    load()  # the config is readable before anything starts
+    print(f"reclaim: {ngpu} GPU(s) ({', '.join(g['name'] for g in facts.get('gpus', []))}), driver "
+          f"{facts.get('driver_version')}; {'remap GPU 0 -> GPU 1' if remap else 'restore onto the same GPU'}",
+          flush=True)
+    ref = Trainer(BASE, "reference", args.steps, extra=extra, env=gpu_env)
+    ref.start()
+    ref_result = ref.wait_done()
+    rows: list[dict[str, Any]] = []
+    for tag in [t.strip() for t in args.runs.split(",") if t.strip()]:
+        try:
+            row = one_run(tag, BASE, ref, ref_result, steps=args.steps, at=args.at, extra=extra, gpu_env=gpu_env,
+                          remap=remap, cold=(tag == "cold"))
+        except (RuntimeError, TimeoutError, AssertionError, OSError, subprocess.SubprocessError) as e:
+            row = {"run": tag, "failed": True, "error": f"{type(e).__name__}: {e}"[-3000:]}
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+    baseline = file_checkpoint_run(BASE, ref, ref_result, steps=args.steps, at=args.at, extra=tuple(extra),
+                                   save_env=gpu_env, resumes={"file-on-notice": gpu_env})
+    for b in baseline:
+        b["notice_to_first_new_step_s"] = (b.get("stall_s") or 0.0) + (b.get("resume_to_first_new_step_s") or 0.0)
+        print(json.dumps(b, default=str), flush=True)
+    lines = [f"{'run':<16}{'notice->whole s':>16}{'notice->step s':>16}{'restore->step s':>17}{'fetch s':>9}"
+             f"{'image GB':>10}{'streamed GB':>13}{'GPU':>5}  bit-identical"]
+    for r in rows:
+        if r.get("failed"):
+            lines.append(f"{r['run']:<16}FAILED: {r['error'][:200]}")
+            continue
+        lines.append(f"{r['run']:<16}{r['notice_to_image_whole_s']:>16.2f}{r['notice_to_first_new_step_s']:>16.2f}"
+                     f"{r['restore_to_first_new_step_s']:>17.2f}{r['restore_fetch_s']:>9.2f}"
+                     f"{(r['image_bytes'] or 0) / 1e9:>10.2f}{(r['streamed_bytes'] or 0) / 1e9:>13.2f}"
+                     f"{str(r['restored_on_gpu']):>5}  {'yes' if r['bit_identical'] else 'NO'}")
+    for b in baseline:
+        lines.append(f"{'file (baseline)':<16}{b.get('stall_s', 0):>16.2f}{b['notice_to_first_new_step_s']:>16.2f}"
+                     f"{b.get('resume_to_first_new_step_s', 0):>17.2f}{'':>9}{b.get('image_bytes', 0) / 1e9:>10.2f}"
+                     f"{'':>13}{'':>5}  {'yes' if b.get('bit_identical') else 'NO'}")
+    table = "\n".join(lines)
+    print(table)
+    ok = all(r.get("bit_identical") for r in rows + baseline)
+    doc = {"ok": ok, "date": time.strftime("%Y-%m-%d"), "gpus": ngpu, "driver": facts.get("driver_version"),
+           "steps": args.steps, "at": args.at, "store": "file:// on the machine's disk, fsynced",
+           "runs": rows, "baseline": baseline,
+           "targets": {"notice_to_image_whole_s": 8.0, "notice_to_first_new_step_s": 12.0}}
+    Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    Path(args.out).with_suffix(".txt").write_text(table + "\n")
+    print("reclaim: PASS" if ok else "reclaim: FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
