@@ -23,9 +23,13 @@ TYPE_CHECKING = False  # typing is not imported at run time: this module is on t
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary", "resolve_cuda_checkpoint"]
+__all__ = ["Config", "ConfigError", "load", "pinned_runc", "check_pinned_binary", "resolve_cuda_checkpoint",
+           "launcher_pin_path", "render_launcher_pin", "read_launcher_pin", "sync_launcher_pin", "pin_stamp"]
 
 DEFAULT_CONFIG_PATH = "/etc/snapguard/config.toml"
+# The C launcher's pinned file (c_helpers/runc_launcher.c), beside the config it was derived from.
+LAUNCHER_PIN_NAME = "runc-launcher.pin"
+LAUNCHER_PIN_HEADER = "snapguard-runc-launcher 1"
 
 DEFAULTS = {
     "runc": "/usr/sbin/runc",
@@ -74,8 +78,9 @@ class Config:
     criu_timeout_s: int
     take_wait_s: int
 
-    def __init__(self, values: dict[str, object], source: str | None) -> None:
+    def __init__(self, values: dict[str, object], source: str | None, source_stat: os.stat_result | None = None) -> None:
         self.source = source
+        self.source_stat = source_stat  # the config file's fstat when it was read
         for key, value in values.items():
             setattr(self, key, value)
 
@@ -184,8 +189,14 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
     path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
     values: dict[str, object] = dict(DEFAULTS)
     source = None
+    source_stat = None
     fd = _open_config(path)
     if fd is not None:
+        try:
+            source_stat = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
         values.update(_read_config(fd, path))
         source = path
     elif "SNAPGUARD_CONFIG" in env:
@@ -209,7 +220,7 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
             values[key] = _trusted_state_dir(value)
         else:
             values[key] = _trusted_binary(key, value)
-    return Config(values, source)
+    return Config(values, source, source_stat)
 
 
 def load(environ: Mapping[str, str] | None = None) -> Config:
@@ -223,7 +234,10 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     with reason UNTRUSTED_PATH. No exception but ConfigError comes out of here.
     """
     env = os.environ if environ is None else environ
-    return _load(env, _PATH_KEYS)
+    config = _load(env, _PATH_KEYS)
+    if config.source is not None and config.source_stat is not None and not env.get("SNAPGUARD_RUNC"):
+        sync_launcher_pin(config.source, config.source_stat, config.runc)
+    return config
 
 
 def resolve_cuda_checkpoint(config: Config) -> str | None:
@@ -266,9 +280,8 @@ def _cache_dir(env: Mapping[str, str]) -> str:
     return env.get("SNAPGUARD_STATE_DIR") or str(DEFAULTS["state_dir"])
 
 
-def _config_stamp(fd: int, path: str) -> str:
+def _config_stamp(st: os.stat_result, path: str) -> str:
     """What identifies this version of the config file: a rewrite or replacement changes it."""
-    st = os.fstat(fd)
     return f"{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
@@ -331,15 +344,116 @@ def pinned_runc(environ: Mapping[str, str] | None = None) -> str:
     if fd is None:
         return _checked_runc(_load(env, ("runc",)).runc)
     try:
-        stamp = _config_stamp(fd, config_path)
+        st = os.fstat(fd)
     except OSError as e:
         raise ConfigError(f"cannot read {config_path}: {e.strerror}") from None
     finally:
         os.close(fd)
+    stamp = _config_stamp(st, config_path)
     state_dir = _cache_dir(env)
-    cached = _cached_runc(state_dir, stamp)
-    if cached is not None:
-        return _checked_runc(cached)
-    runc = _load(env, ("runc",)).runc
-    _remember_runc(state_dir, stamp, runc)
+    runc = _cached_runc(state_dir, stamp)
+    if runc is None:
+        config = _load(env, ("runc",))
+        runc = config.runc
+        if config.source_stat is not None:  # what was parsed: the file may have changed since the fstat
+            st = config.source_stat
+            stamp = _config_stamp(st, config_path)
+        _remember_runc(state_dir, stamp, runc)
+    sync_launcher_pin(config_path, st, runc)
     return _checked_runc(runc)
+
+
+# --- the C launcher's pinned file -----------------------------------------------------------------
+#
+# snapguard-runc's launcher (c_helpers/runc_launcher.c) execs runc without starting Python, so it
+# cannot read TOML: it reads the runc path from this file, written by `snapguard install` beside
+# the config and kept in sync here, whenever the config is loaded. It records the config file's
+# identity (the stamp): where the config changed since, the launcher hands the command line to
+# the Python entry, whose pinned_runc() reads the config and refreshes the file.
+
+
+def launcher_pin_path(config_path: str) -> str:
+    """The launcher's pinned file for the config file at `config_path`."""
+    return os.path.join(os.path.dirname(config_path), LAUNCHER_PIN_NAME)
+
+
+def pin_stamp(st: os.stat_result) -> str:
+    """The config file's identity as the launcher computes it from fstat."""
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def render_launcher_pin(config_path: str, stamp: str, runc: str, entry: str) -> bytes:
+    """The pinned file's text; ValueError where a value cannot be written on one line."""
+    for value in (config_path, stamp, runc, entry):
+        if not value or "\n" in value or "\0" in value:
+            raise ValueError(f"cannot pin {value!r} for snapguard-runc's launcher")
+    for path in (config_path, runc, entry):
+        if not os.path.isabs(path):
+            raise ValueError(f"cannot pin {path!r} for snapguard-runc's launcher: not an absolute path")
+    text = f"{LAUNCHER_PIN_HEADER}\nconfig {config_path}\nstamp {stamp}\nrunc {runc}\nentry {entry}\n"
+    return text.encode("utf-8", "surrogateescape")
+
+
+def read_launcher_pin(path: str) -> tuple[bytes, dict[str, str]] | None:
+    """The pinned file's bytes and fields, where root alone controls it and it is well formed;
+    None otherwise (missing: the launcher is not installed for this config)."""
+    try:
+        fd = open_trusted(path, "file")
+    except UntrustedPathError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(8192)
+    except OSError:
+        return None
+    lines = raw.decode("utf-8", "surrogateescape").split("\n")
+    if len(raw) >= 8192 or not lines or lines[0] != LAUNCHER_PIN_HEADER or lines[-1] != "":
+        return None
+    fields = dict(line.partition(" ")[::2] for line in lines[1:-1])
+    if not {"config", "stamp", "runc", "entry"} <= set(fields):
+        return None
+    return raw, fields
+
+
+def sync_launcher_pin(config_path: str, st: os.stat_result, runc: str) -> None:
+    """Where the launcher's pinned file beside `config_path` exists (it was installed) and no
+    longer says that this config file, as `st` identifies it, gives `runc`: rewrite it, whole
+    (a temporary file renamed over it). Nothing is raised: a pinned file that cannot be written
+    only sends the launcher's calls to the Python entry, which reads the config itself."""
+    path = launcher_pin_path(config_path)
+    found = read_launcher_pin(path)
+    if found is None or found[1]["config"] != config_path:
+        return
+    try:
+        text = render_launcher_pin(config_path, pin_stamp(st), runc, found[1]["entry"])
+    except ValueError:
+        return
+    if text != found[0]:
+        write_pin_file(path, text)
+
+
+def write_pin_file(path: str, text: bytes) -> bool:
+    """Write the pinned file whole, root's (where run as root), 0644; False where it could not."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{LAUNCHER_PIN_NAME}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False
+    try:
+        try:
+            os.fchmod(fd, 0o644)
+            if os.geteuid() == 0:
+                os.fchown(fd, 0, 0)
+            os.write(fd, text)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

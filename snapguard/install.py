@@ -14,6 +14,14 @@ What it changes, each file written whole (a temporary file renamed over it), roo
   snapguard.trust); keys the file already sets are kept, except `runc` where containerd's default
   runtime is NVIDIA's (`nvidia-container-runtime`): snapguard-runc then runs that, so GPU containers
   keep their devices (it forwards every verb but `create` to runc).
+- snapguard-runc's C launcher (c_helpers/runc_launcher.c), where its source is installed (a source
+  or editable install; the wheel does not carry it): compiled with the pinned C compiler
+  (/usr/bin/cc) into `snapguard-runc-launcher` beside the Python snapguard-runc, root's, 0755, and
+  the drop-in's `BinaryName`; it execs runc for every verb but checkpoint and restore without
+  starting Python, and the Python snapguard-runc for those two. Beside the config, its pinned file
+  (`runc-launcher.pin`: the config's runc, the config file's identity, the Python entry), which the
+  config loader keeps in sync with the config. An explicit --snapguard-runc is the BinaryName as
+  given, without the launcher.
 
 The config version decides the drop-in's shape: the main config's `version` (2 for containerd 1.6
 and 1.7, 3 for 2.x), or without a main config the containerd binary's (1.x: 2, 2.x: 3). The drop-in
@@ -39,20 +47,23 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .config import DEFAULTS
+from .config import DEFAULTS, LAUNCHER_PIN_HEADER, ConfigError, _load, launcher_pin_path, pin_stamp, read_launcher_pin, render_launcher_pin
 from .reasons import Reason, SnapguardError
 from .trust import UntrustedPathError, check_trusted_libdir, make_private_dir, open_trusted, resolve_trusted
 
 __all__ = ["Options", "Plan", "plan_install", "plan_uninstall", "apply", "runtimeclass_manifest", "dump_toml",
-           "set_imports", "DEFAULT_RUNTIME_NAME", "CRI_PLUGINS"]
+           "set_imports", "DEFAULT_RUNTIME_NAME", "CRI_PLUGINS", "build_launcher", "launcher_source_dir",
+           "CompilerMissingError", "DEFAULT_CC", "LAUNCHER_NAME"]
 
 DEFAULT_RUNTIME_NAME = "snapguard"
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"
@@ -80,10 +91,23 @@ CONFIG_COMMENTS = {
     "take_wait_s": "how long a snapshot waits for the workload's take point, seconds",
 }
 MAX_FILE_BYTES = 1 << 20
+# snapguard-runc's C launcher: the pinned compiler, the installed name (beside the Python
+# snapguard-runc), its sources (c_helpers/), and how it is compiled.
+DEFAULT_CC = "/usr/bin/cc"
+LAUNCHER_NAME = "snapguard-runc-launcher"
+LAUNCHER_SOURCES = ("runc_launcher.c", "runc_argv_table.h")
+LAUNCHER_CFLAGS = ("-std=gnu11", "-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong",
+                   "-fPIE", "-pie", "-Wl,-z,relro,-z,now", "-s")
+# the compiler finds its assembler and linker through PATH: only root's directories
+BUILD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
 class InstallError(SnapguardError):
     pass
+
+
+class CompilerMissingError(InstallError):
+    """The pinned C compiler is missing or not executable: the launcher cannot be built."""
 
 
 def _fail(detail: str, reason: Reason = Reason.USAGE_ERROR) -> InstallError:
@@ -344,6 +368,11 @@ class Options:
     runtime_name: str = DEFAULT_RUNTIME_NAME
     containerd: str | None = None  # the containerd binary, for its version
     snapguard_runc: str | None = None  # default: beside this interpreter
+    # the C launcher: None builds it where its source is found unless snapguard_runc is given
+    # (then BinaryName is that, as given); True requires it, False leaves it out
+    launcher: bool | None = None
+    launcher_path: str | None = None  # default: snapguard-runc-launcher beside snapguard-runc
+    cc: str = DEFAULT_CC
     candidates: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(CANDIDATES))
 
     @property
@@ -360,12 +389,17 @@ class Change:
     after: bytes | None
     mode: int = 0o644
     summary: str = ""
+    binary: bool = False
+    render: Callable[[], bytes] | None = None  # the bytes, computed when applied (after the changes before it)
 
     @property
     def changes(self) -> bool:
         return self.action not in ("unchanged", "keep")
 
     def diff(self) -> str:
+        if self.binary:
+            size = "removed" if self.after is None else f"{len(self.after)} bytes"
+            return f"binary {self.path}: {size}\n"
         a = (self.before or b"").decode("utf-8", "replace").splitlines(keepends=True)
         b = (self.after or b"").decode("utf-8", "replace").splitlines(keepends=True)
         text = "".join(difflib.unified_diff(a, b, self.path if self.before is not None else "/dev/null",
@@ -471,6 +505,70 @@ def _snapguard_runc(opts: Options) -> str:
         raise _fail(f"snapguard-runc {e}: containerd's shim runs it as root, so it must be root's alone "
                     "(install snapguard as root, e.g. the Debian package, or pass --snapguard-runc)",
                     Reason.UNTRUSTED_PATH if not e.unusable else Reason.USAGE_ERROR) from None
+
+
+def launcher_source_dir() -> str | None:
+    """Where the launcher's C source is: c_helpers/ beside the package (a source or editable install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for directory in (os.path.join(here, "_c_helpers"), os.path.join(os.path.dirname(here), "c_helpers")):
+        if all(os.path.isfile(os.path.join(directory, name)) for name in LAUNCHER_SOURCES):
+            return directory
+    return None
+
+
+def _c_literal(text: str) -> str:
+    """`text` as a C string literal, every byte but [A-Za-z0-9/._+-] escaped."""
+    safe = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._+-"
+    return '"' + "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(text)) + '"'
+
+
+def build_launcher(config_path: str, *, cc: str = DEFAULT_CC, route_test: bool = False,
+                   source_dir: str | None = None) -> bytes:
+    """The launcher compiled for `config_path` (its pinned file beside it), as bytes.
+
+    The compiler is the pinned `cc`, run by the canonical path that was checked, with a PATH of
+    root's directories only; the sources are read through checked descriptors into a private
+    directory and compiled there. `route_test` builds the program that prints the route for its
+    argv (the tests hold it to the Python parser).
+    """
+    if not os.path.isabs(config_path):
+        raise _fail(f"the launcher's config must be an absolute path, got {config_path!r}")
+    source_dir = source_dir or launcher_source_dir()
+    if source_dir is None:
+        raise _fail("the launcher's C source (c_helpers/runc_launcher.c) is not installed with snapguard")
+    try:
+        compiler = resolve_trusted(cc, "exec")
+    except UntrustedPathError as e:
+        if e.unusable:
+            raise CompilerMissingError(Reason.USAGE_ERROR,
+                                       f"no C compiler at {cc} ({e.why}) to build snapguard-runc's launcher: "
+                                       "install gcc (apt-get install gcc libc6-dev)") from None
+        raise _fail(f"C compiler {e}", Reason.UNTRUSTED_PATH) from None
+    work = tempfile.mkdtemp(prefix="snapguard-launcher-")
+    try:
+        for name in LAUNCHER_SOURCES:
+            raw = _read_trusted(os.path.join(source_dir, name), "the launcher's source")
+            if raw is None:
+                raise _fail(f"the launcher's source {os.path.join(source_dir, name)} is missing")
+            with open(os.path.join(work, name), "wb") as f:
+                f.write(raw)
+        defines = [f"-DSG_CONFIG_PATH={_c_literal(config_path)}",
+                   f"-DSG_PIN_PATH={_c_literal(launcher_pin_path(config_path))}"]
+        if route_test:
+            defines.append("-DSG_ROUTE_TEST")
+        argv = [compiler, *LAUNCHER_CFLAGS, *defines, "-o", "launcher", LAUNCHER_SOURCES[0]]
+        try:
+            out = subprocess.run(argv, cwd=work, env=BUILD_ENV, capture_output=True, text=True, timeout=300,
+                                 stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _fail(f"building snapguard-runc's launcher with {compiler}: {e}") from None
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise _fail(f"building snapguard-runc's launcher with {compiler} failed: {last}")
+        with open(os.path.join(work, "launcher"), "rb") as f:
+            return f.read()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _trusted_path(key: str, path: str) -> str | None:
@@ -583,7 +681,10 @@ def plan_install(opts: Options) -> Plan:
 
     # the drop-in
     snapguard_runc = _snapguard_runc(opts)
-    facts["binary_name"] = snapguard_runc
+    launcher = _plan_launcher(opts, snapguard_runc, records, plan)
+    binary_name = launcher.path if launcher is not None else snapguard_runc
+    facts["binary_name"] = binary_name
+    facts["launcher"] = launcher.path if launcher is not None else None
     # the default runtime's settings (runtime_path, sandboxer, options: SystemdCgroup, Root, ...), as
     # nvidia-ctk derives its runtime from runc's: only BinaryName differs, so a pod behaves the same
     # under either; a default that is no runc shim (kata, say) lends nothing, `runc` then does
@@ -594,7 +695,7 @@ def plan_install(opts: Options) -> Plan:
     ours.setdefault("options", {})
     if not isinstance(ours["options"], dict):
         ours["options"] = {}
-    ours["options"]["BinaryName"] = snapguard_runc
+    ours["options"]["BinaryName"] = binary_name
     facts["copied_from_runtime"] = base
     if replace_plugins:
         body = cri
@@ -614,7 +715,7 @@ def plan_install(opts: Options) -> Plan:
     if before is not None and before != dropin_text and (rec is None or rec.get("sha256") != _sha(before)):
         raise _fail(f"{dropin} exists and was not written by snapguard install (or was changed since): "
                     "move it away and run again")
-    summary = f"runtime `{name}`: {RUNC_SHIM}, BinaryName {snapguard_runc}" + (
+    summary = f"runtime `{name}`: {RUNC_SHIM}, BinaryName {binary_name}" + (
         f", the rest as `{base}`" if base else "")
     dirs = _absent_dirs(os.path.dirname(dropin))
     plan.dirs += dirs
@@ -652,18 +753,93 @@ def plan_install(opts: Options) -> Plan:
     got = _table(_table(_table(_table(after.plugins, plugin), "containerd"), "runtimes"), name)
     if dropin not in after.files:
         raise _fail(f"internal error: {main_path} would not import {dropin}")
-    if _table(got, "options").get("BinaryName") != snapguard_runc:
+    if _table(got, "options").get("BinaryName") != binary_name:
         raise _fail(f"{after.sources.get(plugin)} is imported after {dropin} and replaces the CRI plugin's settings "
                     "(containerd 1.x): fold it into the main config, or rename it to load before, and run again")
 
-    # snapguard's own config
-    plan.changes.append(_plan_config(opts, records, facts, nvidia, default_binary, snapguard_runc, plan))
+    # snapguard's own config, then the launcher and its pinned file (read from the config as written)
+    ours_binaries = [snapguard_runc] + ([launcher.path] if launcher is not None else [])
+    config_change = _plan_config(opts, records, facts, nvidia, default_binary, ours_binaries, plan)
+    plan.changes.append(config_change)
+    if launcher is not None:
+        plan.changes.append(launcher)
+        plan.changes.append(_plan_pin(opts, config_change, snapguard_runc, records, plan))
     plan.state = {"snapguard": __version__, "runtime_name": name, "files": records}
     return plan
 
 
+def _launcher_wanted(opts: Options) -> bool:
+    if opts.launcher is not None:
+        return opts.launcher
+    return opts.snapguard_runc is None and launcher_source_dir() is not None
+
+
+def _plan_launcher(opts: Options, snapguard_runc: str, records: dict[str, Any], plan: Plan) -> Change | None:
+    """The launcher's Change (built now, in a private directory), or None without it; without it,
+    a launcher and pinned file an earlier install wrote are removed."""
+    config_path = os.path.normpath(opts.snapguard_config)
+    if not _launcher_wanted(opts):
+        if opts.launcher is None and opts.snapguard_runc is None:
+            plan.notes.append("snapguard-runc's C launcher is not built: its source is not installed with snapguard, "
+                              "so containerd runs the Python snapguard-runc for every verb")
+        for path, rec in list(records.items()):
+            if rec.get("kind") in ("launcher", "launcher-pin"):
+                current = _read_trusted(path, "file")
+                if current is not None and (rec["kind"] == "launcher-pin" or _sha(current) == rec.get("sha256")):
+                    plan.changes.append(Change(path, "remove", current, None, mode=0o755,
+                                               binary=rec["kind"] == "launcher", summary="the launcher is not used"))
+                del records[path]
+        return None
+    path = os.path.normpath(opts.launcher_path or os.path.join(os.path.dirname(snapguard_runc), LAUNCHER_NAME))
+    if not os.path.isabs(path):
+        raise _fail(f"the launcher's path must be absolute, got {path!r}")
+    data = build_launcher(config_path, cc=opts.cc)
+    before = _read_trusted(path, "snapguard-runc's launcher")
+    rec = records.get(path)
+    if before is not None and before != data and (rec is None or rec.get("sha256") != _sha(before)):
+        raise _fail(f"{path} exists and was not written by snapguard install (or was changed since): "
+                    "move it away and run again")
+    dirs = [d for d in _absent_dirs(os.path.dirname(path)) if d not in plan.dirs]
+    plan.dirs += dirs
+    records[path] = {"kind": "launcher", "sha256": _sha(data), "created_dirs": (rec or {}).get("created_dirs") or dirs}
+    action = "unchanged" if before == data else "replace" if before is not None else "create"
+    return Change(path, action, before, data, mode=0o755, binary=True,
+                  summary=f"snapguard-runc's launcher: runc for every verb but checkpoint and restore, "
+                          f"{snapguard_runc} for those")
+
+
+def _plan_pin(opts: Options, config_change: Change, entry: str, records: dict[str, Any], plan: Plan) -> Change:
+    """The launcher's pinned file: the config's runc as the config loader reads it from the file
+    written, with that file's identity; computed again when applied, after the config is written."""
+    config_path = os.path.normpath(opts.snapguard_config)
+    path = launcher_pin_path(config_path)
+
+    def render() -> bytes:
+        try:
+            config = _load({"SNAPGUARD_CONFIG": config_path}, ("runc",))
+        except ConfigError as e:
+            raise _fail(f"snapguard's config as written: {e}", Reason[e.reason]) from None
+        assert config.source_stat is not None
+        try:
+            return render_launcher_pin(config_path, pin_stamp(config.source_stat), config.runc, entry)
+        except ValueError as e:
+            raise _fail(str(e)) from None
+
+    found = read_launcher_pin(path)
+    before = found[0] if found is not None else _read_trusted(path, "the launcher's pinned file")
+    if before is not None and found is None and path not in records:
+        raise _fail(f"{path} exists and was not written by snapguard install: move it away and run again")
+    after = render() if config_change.action == "unchanged" else None
+    records[path] = {"kind": "launcher-pin"}
+    action = "unchanged" if after is not None and before == after else "replace" if before is not None else "create"
+    preview = after or (f"{LAUNCHER_PIN_HEADER}\nconfig {config_path}\nstamp (the config file as written)\n"
+                        f"runc (its runc)\nentry {entry}\n").encode()
+    return Change(path, action, before, preview, mode=0o644, render=None if action == "unchanged" else render,
+                  summary="the launcher's pinned file: the config's runc, the Python snapguard-runc")
+
+
 def _plan_config(opts: Options, records: dict[str, Any], facts: dict[str, Any], nvidia: bool,
-                 default_binary: str, snapguard_runc: str, plan: Plan) -> Change:
+                 default_binary: str, ours: list[str], plan: Plan) -> Change:
     path = os.path.normpath(opts.snapguard_config)
     before = _read_trusted(path, "snapguard's config")
     existing = _parse(before, path) if before is not None else {}
@@ -677,8 +853,9 @@ def _plan_config(opts: Options, records: dict[str, Any], facts: dict[str, Any], 
             values[key], sources[key] = existing[key], f"kept from {path}"
             continue
         found = None
-        if key == "runc" and os.path.isabs(default_binary) and os.path.basename(default_binary) != "snapguard-runc" \
-                and os.path.realpath(default_binary) != os.path.realpath(snapguard_runc):
+        if key == "runc" and os.path.isabs(default_binary) \
+                and os.path.basename(default_binary) not in ("snapguard-runc", LAUNCHER_NAME) \
+                and os.path.realpath(default_binary) not in {os.path.realpath(p) for p in ours}:
             found = _trusted_path(key, default_binary)
         for candidate in opts.candidates.get(key, ()):
             found = found or _trusted_path(key, candidate)
@@ -739,13 +916,16 @@ def plan_uninstall(opts: Options) -> Plan:
         plan.remove_dirs += rec.get("created_dirs") or []
         if current is None:
             plan.changes.append(Change(path, "keep", None, None, summary="already gone"))
+        elif kind == "launcher-pin":  # the config loader rewrites it: ours whatever it holds
+            plan.changes.append(Change(path, "remove", current, None))
         elif _sha(current) != rec.get("sha256"):
-            plan.changes.append(Change(path, "keep", current, current, summary="changed since snapguard install wrote it"))
+            plan.changes.append(Change(path, "keep", current, current, summary="changed since snapguard install wrote it",
+                                       binary=kind == "launcher"))
         elif kind == "config" and rec.get("previous") is not None:
             prev = rec["previous"].encode("utf-8", "surrogateescape")
             plan.changes.append(Change(path, "restore", current, prev, summary="the file it replaced"))
         else:
-            plan.changes.append(Change(path, "remove", current, None))
+            plan.changes.append(Change(path, "remove", current, None, binary=kind == "launcher"))
     plan.remove_dirs = sorted(set(plan.remove_dirs), key=lambda d: -d.count("/"))
     return plan
 
@@ -797,6 +977,8 @@ def apply(plan: Plan) -> None:
         if not c.changes:
             continue
         _check_dir(os.path.dirname(c.path))
+        if c.render is not None:
+            c.after = c.render()
         if c.after is None:
             os.unlink(c.path)
         else:

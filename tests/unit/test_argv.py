@@ -6,9 +6,11 @@ two builds of runc 1.1's checkpoint/restore flag tables with urfave/cli 1.22.1 a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -307,3 +309,88 @@ def test_bad_restore_argv(args: list[str], message: str) -> None:
     with pytest.raises(ArgvError, match=re.escape(message)) as e:
         parse_subcommand("restore", args)
     assert "\n" not in str(e.value)
+
+
+# --- the C launcher (c_helpers/runc_launcher.c) reads argv from the same table, the same way
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Command lines on which the launcher and the Python entry must pick the same route: runc, or
+# snapguard's Python entry (checkpoint, restore, and what the entry refuses).
+ROUTE_CASES: list[list[str]] = [
+    [], ["--version"], ["-v"], ["--help"], ["-h"], ["help"], ["h"], ["h", "checkpoint"], ["help", "restore"],
+    CHECKPOINT, RESTORE, ["checkpoint"], ["restore", "c1"], ["state", "c1"], ["features"],
+    *[["--root", "/r", verb, "c1"] for verb in RUNC_1_1_PASS_THROUGH],
+    ["--", "checkpoint", "c1"], ["--root", "R", "--", "checkpoint", "c1"], ["--", "--", "checkpoint"],
+    ["--", "state", "checkpoint"], ["-", "checkpoint"], ["", "checkpoint"], [""], ["-"], ["--"],
+    ["--root", "checkpoint", "state", "c1"], ["--root", "--log", "state"], ["--log", "restore"],
+    ["--root"], ["--root", "checkpoint"], ["--root=", "checkpoint", "c"], ["-root=/r", "--criu=/c", "checkpoint", "c"],
+    ["--bogus", "checkpoint", "c1"], ["--bogus", "state", "c1"], ["--bogus"], ["---root", "x", "restore"],
+    ["-=x", "checkpoint"], ["--=x", "state"], ["---", "state"],
+    ["--debug=maybe", "checkpoint"], ["--debug=maybe", "state"], ["--debug=false", "checkpoint", "c"],
+    ["--debug=", "restore"], ["--debug", "true", "checkpoint"], ["--systemd-cgroup=T", "restore", "c"],
+    ["--help", "-h", "state"], ["--help", "-h", "checkpoint"], ["--help", "--help", "checkpoint"],
+    ["-v", "--version", "restore"], ["--version", "checkpoint", "c"], ["--help", "restore", "c"],
+    ["--log-format=xml", "checkpoint", "c"], ["--log-format", "xml", "state"],
+    ["--root", "a" * 4096, "checkpoint", "c"], ["--root", "a" * 4097, "checkpoint", "c"],
+    ["--root=" + "a" * 4097, "state"], ["--root", "a" * 4097, "state"],
+    ["checkpointx"], ["CHECKPOINT", "c"], ["unknown", "restore"], ["unknown"], ["unknown", "--", "x"],
+    ["state", "--root", "x", "checkpoint"], ["spec", "checkpoint"], ["run", "restore"],
+    ["é", "checkpoint"], ["-é", "checkpoint"], ["--é=1", "state"], ["--root", "\udcff\udcfe", "checkpoint", "c"],
+    ["\udcff", "restore"], ["--log\udcff", "restore"], ["--\udcffroot", "state"],
+    ["arg with space", "restore"], ["--root", "a b", "create", "--bundle", "/b", "c"], ["-debug", "-root", "/x", "kill"],
+    ["--criu", "/usr/local/sbin/criu", "--rootless", "auto", "checkpoint", "--image-path", "/i", "c"],
+    ["--rootless=true", "delete", "-f", "c"], ["-log-format", "json", "-log", "/l", "events", "--stats", "c"],
+]
+
+
+def _random_cases(count: int, seed: int = 12) -> list[list[str]]:
+    import random
+
+    rng = random.Random(seed)
+    pool = ["--root", "-root", "--root=/r", "--log", "--log=/l", "--log-format", "json", "--debug", "--debug=t",
+            "--debug=x", "-debug=0", "--systemd-cgroup", "--criu", "--rootless", "--help", "-h", "--version", "-v",
+            "--", "-", "", "---x", "-=x", "--bogus", "checkpoint", "restore", "state", "create", "help", "h",
+            "c1", "/x", "--image-path", "--leave-running", "=", "-x=y", "--log=", "checkpoint=1"]
+    return [[rng.choice(pool) for _ in range(rng.randint(0, 6))] for _ in range(count)]
+
+
+def _python_route(args: list[str]) -> str:
+    action, _ = decide(args)
+    return "runc" if action == "pass" else "snapguard"
+
+
+@pytest.fixture(scope="module")
+def route_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The launcher's parser compiled into its test program (-DSG_ROUTE_TEST): it prints the route."""
+    from snapguard.install import build_launcher
+
+    path = tmp_path_factory.mktemp("launcher") / "route"
+    path.write_bytes(build_launcher("/etc/snapguard/config.toml", route_test=True,
+                                    source_dir=str(REPO / "c_helpers")))
+    path.chmod(0o755)
+    return path
+
+
+def test_the_launchers_table_is_generated_from_this_one() -> None:
+    """c_helpers/runc_argv_table.h is what build_launcher.py generates from VERB_TABLE and GLOBAL_FLAGS."""
+    spec = importlib.util.spec_from_file_location("build_launcher", REPO / "c_helpers" / "build_launcher.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (REPO / "c_helpers" / "runc_argv_table.h").read_text() == module.render_header(), (
+        "c_helpers/runc_argv_table.h is stale: run python c_helpers/build_launcher.py --write")
+
+
+def test_the_launcher_routes_as_the_python_entry_decides(route_program: Path) -> None:
+    cases = ROUTE_CASES + _random_cases(400)
+    wrong = []
+    for args in cases:
+        out = subprocess.run([route_program, *map(os.fsencode, args)], capture_output=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        got, want = out.stdout.decode().strip(), _python_route(args)
+        if got != want:
+            wrong.append((args if len(repr(args)) < 200 else repr(args)[:200], got, want))
+    assert not wrong, wrong
+    routes = {_python_route(args) for args in ROUTE_CASES}
+    assert routes == {"runc", "snapguard"}  # both routes exercised

@@ -315,6 +315,96 @@ def test_another_runtime_name(node: Node) -> None:
         install.plan_install(node.options())
 
 
+# --- snapguard-runc's C launcher
+
+
+def _pin(path: Path) -> dict[str, str]:
+    lines = path.read_text().splitlines()
+    assert lines[0] == "snapguard-runc-launcher 1"
+    return dict(line.partition(" ")[::2] for line in lines[1:])
+
+
+def test_the_launcher_is_built_installed_and_pinned(node: Node) -> None:
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    node.runc.write_text("#!/bin/sh\necho \"fake runc $*\"\n")
+    launcher = node.tmp / "libexec" / "snapguard-runc"
+    pin_path = node.config.parent / "runc-launcher.pin"
+    before = node.snapshot()
+    plan = node.install(launcher=True, launcher_path=str(launcher))
+    assert {c.path: c.action for c in plan.changes} == {
+        str(node.dropin): "create", str(node.main): "edit", str(node.config): "create",
+        str(launcher): "create", str(pin_path): "create"}
+    assert plan.facts["binary_name"] == plan.facts["launcher"] == str(launcher)
+    runtime = _toml(node.dropin)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]
+    assert runtime["options"] == {"BinaryName": str(launcher)}  # containerd runs the launcher
+    for path, mode in ((launcher, 0o755), (pin_path, 0o644)):
+        st = os.stat(path)
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0), path
+    st = os.stat(node.config)
+    assert _pin(pin_path) == {"config": str(node.config), "runc": str(node.runc),
+                              "entry": os.path.realpath(SNAPGUARD_RUNC),
+                              "stamp": f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"}
+    env = {"PATH": "/nonexistent", "SNAPGUARD_CONFIG": str(node.config), "SNAPGUARD_STATE_DIR": str(node.tmp / "run")}
+    out = subprocess.run([launcher, "--root", "/r", "state", "c1"], env=env, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "fake runc --root /r state c1\n", "")
+
+    # a second run changes nothing, not even a timestamp
+    written = node.snapshot()
+    assert not node.install(launcher=True, launcher_path=str(launcher)).changed
+    assert node.snapshot() == written
+
+    # the config loader keeps the pinned file in sync with the config's runc
+    other = _exe(node.bin / "other-runc", "#!/bin/sh\necho \"other runc $*\"\n")
+    node.config.write_text(node.config.read_text().replace(str(node.runc), str(other)))
+    # the config changed since the pin: the launcher hands over to the Python entry, which reads it
+    # (and refreshes the pinned file), so the runc run is the config's new one
+    out = subprocess.run([launcher, "state", "c1"], env=env, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (0, "other runc state c1\n")
+    assert _pin(pin_path)["runc"] == str(other)
+    out = subprocess.run([launcher, "state", "c1"], env=env, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (0, "other runc state c1\n")
+    # and load(), as checkpoint and restore read the config, does the same
+    node.config.write_text(written[str(node.config)][0].decode())  # the config as install wrote it
+    assert load({"SNAPGUARD_CONFIG": str(node.config)}).runc == str(node.runc)
+    st = os.stat(node.config)
+    assert _pin(pin_path)["runc"] == str(node.runc)
+    assert _pin(pin_path)["stamp"] == f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+    # --uninstall removes both (the pinned file whatever the loader wrote into it)
+    other.unlink()
+    undo = node.uninstall()
+    assert {c.path: c.action for c in undo.changes}[str(launcher)] == "remove"
+    assert {c.path: c.action for c in undo.changes}[str(pin_path)] == "remove"
+    after = {p: v[0] for p, v in node.snapshot().items() if not p.startswith(str(node.tmp / "run"))}
+    assert after == {p: v[0] for p, v in before.items()}
+
+
+def test_the_launcher_needs_the_pinned_compiler(node: Node) -> None:
+    before = node.snapshot()
+    with pytest.raises(install.CompilerMissingError, match="no C compiler at") as e:
+        install.plan_install(node.options(launcher=True, launcher_path=str(node.tmp / "l"), cc=str(node.tmp / "no-cc")))
+    assert e.value.reason is Reason.USAGE_ERROR
+    assert node.snapshot() == before
+
+
+def test_a_foreign_file_at_the_launchers_path_is_not_overwritten(node: Node) -> None:
+    launcher = _exe(node.tmp / "libexec" / "snapguard-runc", "#!/bin/sh\n# someone else's\n")
+    with pytest.raises(SnapguardError, match="not written by snapguard install"):
+        install.plan_install(node.options(launcher=True, launcher_path=str(launcher)))
+    assert launcher.read_text() == "#!/bin/sh\n# someone else's\n"
+
+
+def test_dropping_the_launcher_removes_it(node: Node) -> None:
+    launcher = node.tmp / "libexec" / "snapguard-runc"
+    node.install(launcher=True, launcher_path=str(launcher))
+    plan = node.install(launcher=False)
+    assert {c.path: c.action for c in plan.changes}[str(launcher)] == "remove"
+    assert not launcher.exists() and not (node.config.parent / "runc-launcher.pin").exists()
+    runtime = _toml(node.dropin)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]
+    assert runtime["options"]["BinaryName"] == os.path.realpath(SNAPGUARD_RUNC)
+
+
 @pytest.mark.parametrize("text", [
     "version = 2\n",
     "# c\nversion = 2\nroot = '/r'\n[grpc]\n  address = 'x'\n",
