@@ -22,13 +22,16 @@ from ._runners import Runner as Runner
 from ._runners import RuncRunner as RuncRunner
 from ._sequence import checkpoint as checkpoint
 from ._sequence import restore as restore
+from ._remote import Fetched as Fetched
+from ._remote import fetch_fenced as fetch_fenced
+from ._remote import mark_fallback as mark_fallback
 from ._remote import node_epoch as node_epoch
 from ._remote import pull_image as pull_image
 from ._remote import push_image as push_image
 from ._remote import restore_from as restore_from
 
-__all__ = ["NETWORK_LOCKS", "CriuRunner", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
-           "checkpoint_pid", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images",
+__all__ = ["NETWORK_LOCKS", "CriuRunner", "Fetched", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
+           "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images",
            "write_record"]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..config import Config
@@ -21,7 +22,7 @@ from ._request import Request, Timeouts
 from ._runners import CriuRunner
 from ._sequence import restore
 
-__all__ = ["node_epoch", "pull_image", "push_image", "restore_from"]
+__all__ = ["Fetched", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore_from"]
 
 
 def _store_job(store: Any, job: str | None) -> str:
@@ -98,12 +99,32 @@ def pull_image(url: str, images: str, *, job: str | None = None, image: str | No
             "bytes": pulled.bytes, "seconds": pulled.seconds, "epoch": pulled.ref.epoch}
 
 
-def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
-                 images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
-                 device_map: tuple[tuple[str, str], ...] | None = None,
-                 progress_stream: TextIO | None = None) -> dict[str, Any]:
-    """Fetch, fence and restore; SnapguardError on any refusal, its evidence naming the job's
-    file checkpoint (`file_checkpoint`, else the newest registered in the store) when known."""
+@dataclass
+class Fetched:
+    """An image fetched for a restore on this node, with the job's epoch taken for it."""
+
+    image_dir: str
+    job: str
+    store_url: str
+    image: str
+    epoch: int
+    bytes: int
+    seconds: float
+    verified: tuple[tuple[str, str, int, int], ...]  # digests bound to the written files' inodes
+
+    def summary(self) -> dict[str, Any]:
+        """What a restore's result record says of the fetch."""
+        return {"fence_epoch": self.epoch, "store": self.store_url, "job": self.job, "store_image": self.image,
+                "fetch": {"bytes": self.bytes, "seconds": self.seconds}}
+
+
+def fetch_fenced(url: str, config: Config, *, job: str | None = None, image: str | None = None,
+                 images: str | None = None, file_checkpoint: str | None = None,
+                 progress_stream: TextIO | None = None) -> Fetched:
+    """Fetch the job's image (verified while written) and take the job's next fencing epoch: of
+    two restores racing, one wins and the other is FENCED, its fetched copy removed. On any
+    refusal the SnapguardError's evidence names the job and its file checkpoint (`file_checkpoint`,
+    else the newest registered in the store) when known."""
     fallback = file_checkpoint
     try:
         from .. import trust
@@ -133,18 +154,45 @@ def restore_from(url: str, config: Config, *, job: str | None = None, image: str
         ensure_private_dir(os.path.dirname(epoch_file))
         write_private_json(epoch_file, {"job": job, "epoch": epoch, "store": store.url, "image": ref.name,
                                         "images": pulled.image_dir})
-        req = Request(pulled.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
-                      device_map=device_map,
-                      verified_digests=_bound(pulled.image_dir, pulled.digests))
+    except SnapguardError as e:
+        mark_fallback(e, job, fallback)
+        raise
+    return Fetched(pulled.image_dir, job, store.url, ref.name, epoch, pulled.bytes, pulled.seconds,
+                   _bound(pulled.image_dir, pulled.digests))
+
+
+def mark_fallback(e: SnapguardError, job: str | None, fallback: str | None) -> None:
+    """Name the job and its file checkpoint in a refusal's evidence, for the caller's fallback."""
+    if fallback:
+        e.failure.evidence["file_checkpoint"] = fallback
+    if job:
+        e.failure.evidence.setdefault("job", job)
+
+
+def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
+                 images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
+                 device_map: tuple[tuple[str, str], ...] | None = None,
+                 progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Fetch, fence and restore a bare process tree (`fetch_fenced`, then the one restore
+    sequence, which reads the image once more only for what was not verified as it was written)."""
+    got = fetch_fenced(url, config, job=job, image=image, images=images, file_checkpoint=file_checkpoint,
+                       progress_stream=progress_stream)
+    try:
+        req = Request(got.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
+                      device_map=device_map, verified_digests=got.verified)
         result = restore(CriuRunner(config.criu), req, config)
     except SnapguardError as e:
-        if fallback:
-            e.failure.evidence["file_checkpoint"] = fallback
-        if job:
-            e.failure.evidence.setdefault("job", job)
+        fallback = e.failure.evidence.get("file_checkpoint") or file_checkpoint
+        if fallback is None:
+            try:
+                from ..store import open_store
+
+                fallback = open_store(url).newest_file_checkpoint(got.job)
+            except SnapguardError:
+                fallback = None
+        mark_fallback(e, got.job, fallback)
         raise
-    result.update({"fence_epoch": epoch, "store": store.url, "job": job, "store_image": ref.name,
-                   "fetch": {"bytes": pulled.bytes, "seconds": pulled.seconds}})
+    result.update(got.summary())
     return result
 
 

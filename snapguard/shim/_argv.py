@@ -93,7 +93,11 @@ RESTORE_FLAGS = (
     (("pid-file",), STRING), (("no-subreaper",), BOOL), (("no-pivot",), BOOL), (("empty-ns",), SLICE),
     (("auto-dedup",), BOOL), (("lazy-pages",), BOOL), (("lsm-profile",), STRING), (("lsm-mount-context",), STRING),
     _HELP,
+    # snapguard's own (runc never sees them: shim/restore.py takes them out): restore from an
+    # image store, fetched into --image-path, fenced
+    *((((name,), STRING) for name in ("from", "from-job", "from-image"))),
 )
+OWN_RESTORE_FLAGS = ("from", "from-job", "from-image")
 _SUBCOMMAND_FLAGS = {"checkpoint": CHECKPOINT_FLAGS, "restore": RESTORE_FLAGS}
 
 

@@ -1,4 +1,11 @@
-"""`snapguard-runc restore`: containerd's flags onto a Request; runc runs CRIU."""
+"""`snapguard-runc restore`: containerd's flags onto a Request; runc runs CRIU.
+
+`--from URL` (with `--from-job J`, `--from-image NAME`), snapguard's own and only right after the
+verb, restores from an image store: the job's newest whole image is fetched into --image-path (a
+new or empty directory), verified as it is written, the job's next fencing epoch taken, and runc
+restores it with those flags taken out. A refusal names the job's file checkpoint, when one is
+registered, in the failure record's evidence.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,52 @@ from typing import Any
 
 from .. import pipeline
 from ..config import Config
-from ._argv import GlobalOptions, SubcommandArgs
+from ..reasons import Reason, SnapguardError
+from ._argv import OWN_RESTORE_FLAGS, GlobalOptions, SubcommandArgs, parse_subcommand
 from ._criu import runc_args
 
 __all__ = ["restore"]
 
 
 def restore(config: Config, args: list[str], opts: GlobalOptions, sub: SubcommandArgs) -> dict[str, Any]:
+    url = sub.value("from")
+    verified: tuple[tuple[str, str, int, int], ...] = ()
+    fetched = None
+    if url:
+        args = _without_own_flags(args, opts)
+        fetched = pipeline.fetch_fenced(url, config, job=sub.value("from-job"), image=sub.value("from-image"),
+                                        images=sub.image_path)
+        verified = fetched.verified
+    elif sub.value("from-job") or sub.value("from-image"):
+        raise SnapguardError(Reason.USAGE_ERROR, "restore: --from-job and --from-image need --from URL")
     req = pipeline.Request(sub.image_path, sub.work_path, tcp_established=sub.flag("tcp-established"),
-                           timeouts=pipeline.Timeouts.from_config(config))
+                           verified_digests=verified, timeouts=pipeline.Timeouts.from_config(config))
     runner = pipeline.RuncRunner(config.runc, runc_args(args, opts, config), root=opts.root,
-                                 container_id=sub.container_id, log=opts.log, log_format=opts.log_format, pid_file=sub.value("pid-file"))
-    return pipeline.restore(runner, req, config)
+                                 container_id=sub.container_id, log=opts.log, log_format=opts.log_format,
+                                 pid_file=sub.value("pid-file"))
+    try:
+        result = pipeline.restore(runner, req, config)
+    except SnapguardError as e:
+        if fetched is not None:
+            pipeline.mark_fallback(e, fetched.job, None)
+        raise
+    if fetched is not None:
+        result.update(fetched.summary())
+    return result
+
+
+def _without_own_flags(args: list[str], opts: GlobalOptions) -> list[str]:
+    """runc's argv without snapguard's restore flags, which must come first after the verb (so
+    that what is taken out is what was parsed, never a value of one of runc's flags)."""
+    head, rest = args[:opts.subcommand_index + 1], args[opts.subcommand_index + 1:]
+    i = 0
+    while i < len(rest) and rest[i].startswith("-") and rest[i] != "--":
+        name, eq, _ = rest[i].lstrip("-").partition("=")
+        if name not in OWN_RESTORE_FLAGS:
+            break
+        i += 1 if eq else 2
+    left = rest[i:]
+    if any(parse_subcommand("restore", left).value(f) for f in OWN_RESTORE_FLAGS):
+        raise SnapguardError(Reason.USAGE_ERROR, "restore: --from, --from-job and --from-image come right after "
+                             "`restore`, before runc's flags")
+    return head + left

@@ -52,7 +52,8 @@ def test_product_never_imports_the_lab() -> None:
 
 
 def test_lab_uses_only_public_product_modules() -> None:
-    public = {"snapguard", "snapguard.config", "snapguard.reasons", "snapguard.hooks", "snapguard.pipeline"}
+    public = {"snapguard", "snapguard.config", "snapguard.reasons", "snapguard.hooks", "snapguard.pipeline",
+              "snapguard.notice", "snapguard.store", "snapguard.plan"}  # the goodput drill: agent, store, planner
     lab_dir = workloads.path().parent
     used = set()
     for module in lab_dir.rglob("*.py"):

@@ -1,0 +1,76 @@
+"""A container end to end through the reclaim path, with real runc and CRIU: registered with the
+agent (`snapguard protect --container`), snapshotted (stopped) on a notice and streamed into a
+file:// store, then restored from the store by `snapguard-runc restore --from` (fetched, verified
+as written, fenced), its counter going on from where it stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snapguard.names import RESULT_NAME
+from snapguard_lab.targets import RuncTarget, typed_lines
+
+EXE = os.path.join(os.path.dirname(sys.executable), "snapguard")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc, CRIU)")
+
+
+def journal(target: RuncTarget) -> list[dict]:
+    path = target.state_dir / "agent" / "journal.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_store(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    url = f"file://{store}"
+    with RuncTarget(tmp_path / "node") as t:
+        t.start()
+        env = t.env()
+
+        def sg(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=180, env=env)
+
+        out = sg("protect", "--container", t.container_id, "--root", str(t.root), "--job", "ctr-job")
+        assert out.returncode == 0, out.stderr
+        assert sg("notice", "--reason", "test reclaim").returncode == 0
+        out = sg("agent", "--once", "--store", url)
+        assert out.returncode == 0, out.stderr
+        kinds = [e["event"] for e in journal(t)]
+        assert kinds.index("upload_started") < kinds.index("snapshot_sealed") < kinds.index("uploaded"), out.stderr
+        assert not t.alive()  # a stopping snapshot
+        before = t.values()
+        t._delete()
+
+        # snapguard's own flags must come first after the verb, and need --from
+        late = t._run([*t._executor(), "restore", "--bundle", str(t.bundle), "--from", url, t.container_id],
+                      None, "restore-late-flag")
+        assert late.returncode != 0 and any("USAGE_ERROR" in m for m in t.runc_log_messages()), late.stderr
+        lone = t._run([*t._executor(), "restore", "--from-job", "ctr-job", "--bundle", str(t.bundle),
+                       t.container_id], None, "restore-lone-job")
+        assert lone.returncode != 0 and "--from-job and --from-image need --from" in t.runc_log_messages()[-1]
+
+        work = tmp_path / "work"
+        argv = [*t._executor(), "restore", "--from", url, "--from-job", "ctr-job",
+                "--image-path", str(tmp_path / "pulled"), "--work-path", str(work), "--bundle", str(t.bundle),
+                "--detach", "--pid-file", str(t.pid_file), t.container_id]
+        out = t._run(argv, None, "restore-from")
+        assert out.returncode == 0, (out.stderr, t.runc_log_messages()[-3:], typed_lines(out.stderr))
+        t.started = True
+        assert t.advancing(), "the restored counter does not count"
+        after = t.values()
+        assert after[:len(before)] == before and after[len(before)][0] == before[-1][0] + 1
+        record = json.loads((work / RESULT_NAME).read_text())
+        assert record["ok"] and record["fence_epoch"] == 1 and record["job"] == "ctr-job"
+        assert record["fetch"]["bytes"] > 0
+        # the store now holds epoch 1: the old node's late push of its image is refused
+        images = [e for e in journal(t) if e["event"] == "snapshot_sealed"][0]["image"]
+        old_node = {**env, "SNAPGUARD_STATE_DIR": str(tmp_path / "old-node-state")}  # it never saw epoch 1
+        out = subprocess.run([EXE, "push", "--images", images, "--to", url, "--job", "ctr-job"], capture_output=True,
+                             text=True, timeout=180, env=old_node)
+        assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
