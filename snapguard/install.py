@@ -110,6 +110,8 @@ class CompilerMissingError(InstallError):
     """The pinned C compiler is missing or not executable: the launcher cannot be built."""
 
 
+POD_ANNOTATIONS = "snapguard.io/*"  # passed from pods to the runtime's containers (the agent reads them)
+
 def _fail(detail: str, reason: Reason = Reason.USAGE_ERROR) -> InstallError:
     return InstallError(reason, detail)
 
@@ -696,6 +698,11 @@ def plan_install(opts: Options) -> Plan:
     if not isinstance(ours["options"], dict):
         ours["options"] = {}
     ours["options"]["BinaryName"] = binary_name
+    # pod annotations snapguard.io/* reach the containers' OCI specs, where `snapguard agent
+    # --containerd` reads which job a container runs (and its file checkpoint)
+    given = ours.get("pod_annotations")
+    annotations: list[Any] = list(given) if isinstance(given, list) else []
+    ours["pod_annotations"] = annotations + ([] if POD_ANNOTATIONS in annotations else [POD_ANNOTATIONS])
     facts["copied_from_runtime"] = base
     if replace_plugins:
         body = cri

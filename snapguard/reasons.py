@@ -191,6 +191,9 @@ class Reason(enum.Enum):
                                       "the agent keeps polling and the other sources still work")
     NOTICE_MALFORMED = _Meta("a notice source answered something that is not in the format its owner documents", P, True,
                              "check the source's URL points at the real service (not a proxy or captive page)")
+    CONTAINERD_UNAVAILABLE = _Meta("containerd's API (through its ctr client) could not list the annotated containers",
+                                   P, True, "check --containerd-address and --ctr; the containers registered before "
+                                   "stay protected and `snapguard protect --container` still works")
     AGENT_SNAPSHOT_INTERRUPTED = _Meta("the agent stopped while it snapshotted a workload; its unmarked image was "
                                        "discarded", C, True, "nothing to do when the workload still runs (the agent "
                                        "snapshots it again); else resume the job from its file checkpoint")

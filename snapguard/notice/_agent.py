@@ -213,7 +213,7 @@ def _end_strays(image: str, wait_s: float = 10.0) -> list[int]:
 class Agent:
     def __init__(self, config: Config, sources: list[Source], *, store_url: str | None = None,
                  images: str | None = None, interval_s: float = 5.0,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, containerd: Any = None) -> None:
         self.config = config
         self.dir = agent_dir(config)
         self.images = files.ensure_private_dir(images or os.path.join(self.dir, IMAGES))
@@ -227,6 +227,8 @@ class Agent:
         self._stop = threading.Event()
         self._source_state: dict[str, str | None] = {}
         self._lock_fd: int | None = None
+        self.containerd = containerd  # a _containerd.ContainerdWatch: annotated containers join the registry
+        self._skipped_said: set[str] = set()
 
     # -- plumbing --------------------------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -362,6 +364,47 @@ class Agent:
                 return False
         return False
 
+    # -- containers annotated through containerd -----------------------------------------------
+    def sync_containers(self) -> None:
+        """Bring the registry in line with containerd: every running container annotated
+        `snapguard.io/job` protected, the ones this sync added and whose task is gone dropped.
+        Entries `snapguard protect` made are never touched."""
+        if self.containerd is None:
+            return
+        try:
+            entries, skipped = self.containerd.annotated()
+        except SnapguardError as err:
+            self._note_source("containerd", err.failure.message)
+            return
+        self._note_source("containerd", None)
+        for line in skipped:
+            if line not in self._skipped_said:
+                self._skipped_said.add(line)
+                self.log(f"containerd: not protected: {line}")
+        added, dropped = [], []
+        with self.registry._locked() as w:
+            listed = set()
+            for e in entries:
+                key = f"container:{e['container']}"
+                listed.add(key)
+                cur = w.get(key)
+                fields = {k: e[k] for k in ("root", "job", "file_checkpoint", "epoch", "namespace")}
+                if cur is None:
+                    w[key] = {"kind": "container", "container": e["container"], **fields, "state": "protected",
+                              "added": time.time(), "source": "containerd", "key": key}
+                    added.append(key)
+                elif cur.get("source") == "containerd" and cur.get("state") == "protected":
+                    cur.update(fields)
+            for key, cur in list(w.items()):
+                if cur.get("source") == "containerd" and cur.get("state") == "protected" and key not in listed:
+                    del w[key]
+                    dropped.append(key)
+        for key in added:
+            self.journal("protected", key=key, source="containerd")
+            self.log(f"{key} protected: annotated snapguard.io/job in containerd")
+        for key in dropped:
+            self.journal("unprotected", key=key, source="containerd", why="its task no longer runs")
+
     # -- acting on a notice ----------------------------------------------------------------------
     def handle(self, notice: Notice) -> bool:
         """Act on a notice once: False when its id was seen before and its handling finished."""
@@ -378,6 +421,7 @@ class Agent:
                          deadline=notice.deadline, lead_s=notice.lead_s)
             lead = f", {notice.lead_s:.0f} s left" if notice.lead_s is not None else ""
             self.log(f"notice {notice.id} from {notice.source}: {notice.detail}{lead}")
+        self.sync_containers()  # what runs now, not what ran at the last sync
         for key, w in sorted(self.registry.load().items()):
             if w.get("state") != "protected":
                 continue
@@ -590,6 +634,7 @@ class Agent:
         self.log(f"started (pid {os.getpid()}), sources {', '.join(s.name for s in self.sources) or 'none'}, "
                  f"store {self.store_url or 'none: images stay in ' + self.images}")
         self.recover()
+        self.sync_containers()
         if once:
             while not self._queue.empty():
                 self.handle(self._queue.get())
@@ -600,7 +645,11 @@ class Agent:
             signal.signal(sig, lambda *_: self._stop.set())
         for src in self.sources:
             threading.Thread(target=self._watch, args=(src,), name=f"notice-{src.name}", daemon=True).start()
+        synced = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - synced >= max(30.0, self.interval_s):
+                self.sync_containers()  # so that `snapguard protect --list` shows them between notices
+                synced = time.monotonic()
             try:
                 n = self._queue.get(timeout=0.5)
             except queue.Empty:

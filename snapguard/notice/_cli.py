@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from ..reasons import Reason, SnapguardError
+from ._containerd import DEFAULT_ADDRESS, DEFAULT_CTR, DEFAULT_RUNC_ROOT
 from ._sources import AWS_URL, AZURE_URL, GCE_URL, K8S_CA, K8S_TOKEN, K8S_URL, SOURCE_NAMES
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -56,6 +57,18 @@ def add_parsers(sub: Any) -> None:
                     help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
     ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
                                                          "act, exit")
+    ag.add_argument("--containerd", action="store_true",
+                    help="protect every running container annotated snapguard.io/job (OCI spec annotation or "
+                         "containerd label; Kubernetes pod annotations arrive through the runtime's "
+                         "pod_annotations, which `snapguard install` sets), listed through containerd's API")
+    ag.add_argument("--containerd-address", default=DEFAULT_ADDRESS, metavar="SOCK",
+                    help=f"containerd's socket (default {DEFAULT_ADDRESS})")
+    ag.add_argument("--containerd-namespace", action="append", default=[], metavar="NS",
+                    help="namespace to list (repeatable; default k8s.io and default)")
+    ag.add_argument("--containerd-runc-root", default=DEFAULT_RUNC_ROOT, metavar="DIR",
+                    help=f"runc's root of containerd's shim; the namespace is appended (default {DEFAULT_RUNC_ROOT})")
+    ag.add_argument("--ctr", default=DEFAULT_CTR, metavar="PATH",
+                    help=f"containerd's ctr client, root's alone (default {DEFAULT_CTR})")
     ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
     ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
     ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
@@ -114,6 +127,23 @@ def _sources(args: argparse.Namespace, config: Any) -> list[Any]:
     return out
 
 
+def _containerd(args: argparse.Namespace) -> Any:
+    if not args.containerd:
+        return None
+    from ..trust import UntrustedPathError, resolve_trusted
+    from ._containerd import ContainerdWatch
+
+    if not os.path.isabs(args.ctr):
+        raise SnapguardError(Reason.USAGE_ERROR, f"--ctr {args.ctr!r} is not an absolute path")
+    try:
+        ctr = resolve_trusted(args.ctr, "exec")
+    except UntrustedPathError as e:
+        reason = Reason.CONTAINERD_UNAVAILABLE if e.unusable else Reason.UNTRUSTED_PATH
+        raise SnapguardError(reason, f"--ctr: {e}", evidence={"path": e.path}) from None
+    return ContainerdWatch(ctr, args.containerd_address, tuple(args.containerd_namespace) or ("k8s.io", "default"),
+                           args.containerd_runc_root)
+
+
 def _root_only(what: str) -> None:
     if os.geteuid() != 0:
         raise SnapguardError(Reason.INSUFFICIENT_PRIVILEGE, f"{what} needs root (the agent's state is root's alone)")
@@ -126,7 +156,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _root_only("snapguard agent")
     config = load()
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
-                  log=lambda line: print(line, file=sys.stderr, flush=True))
+                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args))
     return agent.run(once=args.once)
 
 

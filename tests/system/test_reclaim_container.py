@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,56 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
         out = subprocess.run([EXE, "push", "--images", images, "--to", url, "--job", "ctr-job"], capture_output=True,
                              text=True, timeout=180, env=old_node)
         assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
+
+
+def test_agent_protects_containers_annotated_in_containerd(containerd, snapguard_runc: str, tmp_path: Path) -> None:
+    """Containers annotated snapguard.io/job, found through containerd's API, join the registry
+    (the others and a malformed one do not), and a notice snapshots them through runc's root of
+    containerd's shim into the store."""
+    from snapguard_lab.testbed import COUNTER_IMAGE
+
+    containerd.import_counter_image()
+    ids = {"job": f"sg-annot-{os.getpid()}", "plain": f"sg-plain-{os.getpid()}", "bad": f"sg-bad-{os.getpid()}"}
+    notes = {"job": ["--annotation", "snapguard.io/job=annotated-job",
+                     "--annotation", "snapguard.io/file-checkpoint=/ckpt/annotated.pt"],
+             "plain": [], "bad": ["--annotation", "snapguard.io/job=../escape"]}
+    for what, cid in ids.items():
+        out_dir = tmp_path / f"out-{what}"
+        out_dir.mkdir()
+        containerd.ctr("run", "-d", "--null-io", "--snapshotter", "native", "--runc-binary", snapguard_runc,
+                       *notes[what], "--mount", f"type=bind,src={out_dir},dst=/out,options=rbind:rw",
+                       COUNTER_IMAGE, cid)
+    try:
+        config = tmp_path / "config.toml"
+        config.write_text(f'runc = "{containerd.runc}"\n')
+        env = {**os.environ, "SNAPGUARD_CONFIG": str(config), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+        store = tmp_path / "store"
+        store.mkdir(mode=0o700)
+        agent = [EXE, "agent", "--once", "--containerd", "--containerd-address", containerd.socket,
+                 "--containerd-namespace", containerd.namespace, "--ctr", containerd.stack.ctr,
+                 "--store", f"file://{store}"]
+        out = subprocess.run(agent, capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr
+        assert f"{ids['bad']}: snapguard.io/job '../escape' is not a job name" in out.stderr
+        listed = json.loads(subprocess.run([EXE, "protect", "--list", "--json"], capture_output=True, text=True,
+                                           timeout=60, env=env).stdout)
+        assert sorted(listed) == [f"container:{ids['job']}"], listed
+        entry = listed[f"container:{ids['job']}"]
+        assert (entry["job"], entry["file_checkpoint"], entry["source"], entry["root"]) == \
+            ("annotated-job", "/ckpt/annotated.pt", "containerd", containerd.runc_root)
+
+        assert subprocess.run([EXE, "notice", "--reason", "drain"], env=env, timeout=60).returncode == 0
+        out = subprocess.run(agent, capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        from snapguard.store import open_store
+
+        refs = open_store(f"file://{store}").images("annotated-job")
+        assert len(refs) == 1 and refs[0].complete, out.stderr
+        deadline = time.monotonic() + 30
+        while containerd.task_status(ids["job"]) not in (None, "STOPPED") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert containerd.task_status(ids["job"]) in (None, "STOPPED")  # a stopping snapshot
+        assert containerd.task_status(ids["plain"]) == "RUNNING"  # not annotated: untouched
+    finally:
+        for cid in ids.values():
+            containerd.remove(cid)

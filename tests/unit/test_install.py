@@ -135,7 +135,8 @@ def test_containerd_16_with_debians_config(node: Node) -> None:
     cri = dropin["plugins"]["io.containerd.grpc.v1.cri"]
     assert dropin["version"] == 2 and cri["cni"] == {"bin_dir": "/usr/lib/cni", "conf_dir": "/etc/cni/net.d"}
     assert cri["containerd"]["runtimes"]["snapguard"] == {
-        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}
+        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": os.path.realpath(SNAPGUARD_RUNC)},
+        "pod_annotations": ["snapguard.io/*"]}  # what `snapguard agent --containerd` reads
     assert "io.containerd.internal.v1.opt" not in dropin["plugins"]  # only the CRI plugin's table
 
     # the main config: one line more, the rest byte for byte
@@ -173,7 +174,7 @@ def test_containerd_2_without_a_main_config(tmp_path: Path) -> None:
     assert _toml(node.main) == {"version": 3, "imports": [str(node.dropin)]}
     # containerd 2.x merges tables key by key: the runtime alone
     assert _toml(node.dropin) == {"version": 3, "plugins": {"io.containerd.cri.v1.runtime": {"containerd": {
-        "runtimes": {"snapguard": {"runtime_type": "io.containerd.runc.v2",
+        "runtimes": {"snapguard": {"runtime_type": "io.containerd.runc.v2", "pod_annotations": ["snapguard.io/*"],
                                    "options": {"BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}}}}}}
     assert not node.install().changed
     node.uninstall()
@@ -192,7 +193,8 @@ def test_version_3_main_config_whose_imports_cover_conf_d(tmp_path: Path) -> Non
     assert node.main.read_text() == text
     runtime = _toml(node.dropin)["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["snapguard"]
     assert runtime == {"runtime_type": "io.containerd.runc.v2", "runtime_path": "/opt/x/shim",  # the default's
-                       "options": {"SystemdCgroup": True, "BinaryName": os.path.realpath(SNAPGUARD_RUNC)}}
+                       "options": {"SystemdCgroup": True, "BinaryName": os.path.realpath(SNAPGUARD_RUNC)},
+                       "pod_annotations": ["snapguard.io/*"]}
     node.uninstall()
     assert node.main.read_text() == text and not node.dropin.exists()
 
