@@ -149,7 +149,8 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, s
         "notice_to_sealed_s": sealed["t"] - t_notice,
         "notice_to_image_whole_s": uploaded["t"] - t_notice,
         "streamed_bytes": uploaded.get("streamed_bytes"), "resent": uploaded.get("resent"),
-        "image_bytes": sealed.get("image_bytes"),
+        "image_bytes": sealed.get("image_bytes"), "snapshot_timings": sealed.get("timings"),
+        "dump_marks": sealed.get("criu_marks"),
         "bytes_moved": {"into_store": sealed.get("image_bytes"), "out_of_store": restored["fetch"]["bytes"]},
         "drop_caches_s": dropped,
         "restore_fetch_s": restored["fetch"]["seconds"], "restore_timings": restored["timings"],
@@ -179,6 +180,11 @@ def main() -> int:
     shutil.rmtree(BASE, ignore_errors=True)
     BASE.mkdir(mode=0o700, parents=True)
     load()  # the config is readable before anything starts
+    os.makedirs(NODE_A, mode=0o700, exist_ok=True)
+    mounts = subprocess.run(["findmnt", "-no", "TARGET,FSTYPE", "-T", NODE_A], capture_output=True, text=True).stdout
+    print(f"reclaim: node state dirs on {mounts.strip() or '?'}; store on "
+          + subprocess.run(["findmnt", "-no", "TARGET,FSTYPE", "-T", str(BASE)], capture_output=True,
+                           text=True).stdout.strip(), flush=True)
     print(f"reclaim: {ngpu} GPU(s) ({', '.join(g['name'] for g in facts.get('gpus', []))}), driver "
           f"{facts.get('driver_version')}; {'remap GPU 0 -> GPU 1' if remap else 'restore onto the same GPU'}",
           flush=True)

@@ -498,7 +498,8 @@ class Agent:
             return None
         took = time.monotonic() - start
         self.journal("snapshot_sealed", key=key, image=image, notice=notice.id, seconds=round(took, 3),
-                     image_bytes=result.get("image_bytes"))
+                     image_bytes=result.get("image_bytes"), timings=result.get("timings"),
+                     criu_marks=result.get("criu_marks"))
         self.registry.update(key, state="snapshotted", image=image, uploaded=False, notice=notice.id)
         self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s)")
         if stream is not None:

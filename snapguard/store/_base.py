@@ -334,12 +334,14 @@ class Store:
 
     # ---- pull -------------------------------------------------------------------------------
     def pull(self, ref: ImageRef | str, dest: str, *, job: str | None = None, progress: Progress | None = None,
-             check_manifest: Callable[[dict[str, Any]], None] | None = None) -> Pulled:
+             check_manifest: Callable[[dict[str, Any]], None] | None = None, durable: bool = True) -> Pulled:
         """Fetch an image (a ref, or a name with `job`) into `dest`, a new or empty private
         directory, verifying every byte against the manifest as it arrives; the local marker is
         written last. No marker in the store: UPLOAD_INCOMPLETE; a byte that differs:
         IMAGE_CORRUPT, and dest is removed. `check_manifest(manifest)` runs before any file is
-        fetched (a host check refuses there without moving the image)."""
+        fetched (a host check refuses there without moving the image). `durable=False` (a restore
+        that uses the copy at once) skips each file's fsync: the copy was verified as it was
+        written, and a later restore of the directory, after a crash, verifies every byte again."""
         if isinstance(ref, str):
             ref = ImageRef(self.url, check_name("job", job or ""), check_name("image", ref), True)
         prefix = f"{check_name('job', ref.job)}/images/{check_name('image', ref.name)}/"
@@ -387,7 +389,8 @@ class Store:
                         raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} of {ref.url} has "
                                              f"{os.fstat(fd).st_size} bytes, manifest says {entry['size']}",
                                              evidence={"image": ref.url, "path": fname})
-                    os.fsync(fd)
+                    if durable:
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
                 if digest != entry["sha256"]:
