@@ -278,10 +278,24 @@ class Agent:
     # -- restart ---------------------------------------------------------------------------------
     def recover(self) -> None:
         """Settle what a previous agent left half done (see the module's docstring)."""
-        last: dict[str, dict[str, Any]] = {}
+        last: dict[str, dict[str, Any]] = {}  # the last snapshot event of each image
+        streaming: dict[str, dict[str, Any]] = {}  # images whose upload began and did not end
+        jobs: dict[str, str] = {}
         for ev in self.read_journal():
-            if ev.get("image"):
-                last[ev["image"]] = ev
+            image = ev.get("image")
+            if not image:
+                continue
+            if ev["event"] in ("snapshot_started", "snapshot_sealed", "snapshot_failed", "snapshot_interrupted",
+                               "discarded"):
+                last[image] = ev
+            if ev["event"] == "snapshot_started" and ev.get("job"):
+                jobs[image] = ev["job"]
+            if ev["event"] == "upload_started":
+                streaming[image] = ev
+            elif ev["event"] in ("uploaded", "upload_failed", "upload_aborted", "upload_swept"):
+                streaming.pop(image, None)
+        for image, ev in streaming.items():
+            self._sweep_upload(image, jobs.get(image), ev)
         workloads = self.registry.load()
         for image, ev in last.items():
             if ev["event"] != "snapshot_started":
@@ -320,6 +334,30 @@ class Agent:
             for key, w in self.registry.load().items():
                 if w.get("state") == "snapshotted" and not w.get("uploaded") and w.get("image") and _marked(w["image"]):
                     self._upload(key, w)
+
+    def _sweep_upload(self, image: str, job: str | None, ev: dict[str, Any]) -> None:
+        """An upload the previous agent began and never ended: what it sent is removed from the
+        store (never marked, so never restorable; but it holds space), and a sealed image is
+        pushed again whole below."""
+        url = ev.get("store") or self.store_url
+        if not url or not job:
+            return
+        name = os.path.basename(image)
+        try:
+            from .. import store as store_mod
+
+            store = store_mod.open_store(url)
+            if name in [r.name for r in store.images(job)]:  # its marker went in before the kill
+                self.journal("uploaded", key=ev.get("key"), image=image, store=url, recovered=True)
+                if ev.get("key"):
+                    self.registry.update(ev["key"], uploaded=True)
+                return
+            removed = store.discard_partial(job, name)
+        except SnapguardError as e:
+            self.log(f"could not remove the unfinished upload of {name} from {url}: {e.failure.message}")
+            return
+        self.journal("upload_swept", image=image, store=url, removed=removed)
+        self.log(f"removed the unfinished upload of {name} from {url} ({removed} part(s))")
 
     def _bring_back(self, entry: dict[str, Any]) -> None:
         """After a killed snapshot: a container CRIU froze is thawed, CUDA processes run again."""

@@ -194,6 +194,11 @@ class Store:
     def _abort(self, handle: Any) -> None:
         raise NotImplementedError
 
+    def _sweep(self, prefix: str) -> int:
+        """Remove what uploads under `prefix` left that is not an object (a writer killed mid
+        upload): temporary files, unfinished multipart uploads. How many were removed."""
+        raise NotImplementedError
+
     # ---- fencing ----------------------------------------------------------------------------
     def take_epoch(self, job: str, expect: int | None = None, note: dict[str, Any] | None = None) -> int:
         return _fencing.take_epoch(self, check_name("job", job), expect, note)
@@ -301,6 +306,18 @@ class Store:
         finally:
             os.close(dir_fd)
         return ref
+
+    def discard_partial(self, job: str, name: str) -> int:
+        """Remove an image whose upload never finished (a writer killed mid upload): every object
+        under it and what the dead writer left half sent. Refused for a whole image (a marker is
+        a commit). Returns how many things were removed."""
+        prefix = f"{check_name('job', job)}/images/{check_name('image', name)}/"
+        if self._get(prefix + MARKER_NAME, 4096) is not None:
+            raise SnapguardError(Reason.USAGE_ERROR, f"image {name} of job {job} is whole: not discarded")
+        keys = self._list(prefix)
+        for key in keys:
+            self._delete(key)
+        return len(keys) + self._sweep(prefix)
 
     def stream(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
                progress: Progress | None = None, parallel: int = 4) -> Any:

@@ -174,6 +174,22 @@ class FileStore(Store):
         except FileNotFoundError:
             pass
 
+    def _sweep(self, prefix: str) -> int:
+        try:
+            d = self._path(prefix.rstrip("/"))
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        gone = 0
+        for n in names:
+            if n.startswith(_TMP):
+                try:
+                    os.unlink(os.path.join(d, n))
+                    gone += 1
+                except FileNotFoundError:
+                    pass
+        return gone
+
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
         fd = self._open(key)
         if fd is None:

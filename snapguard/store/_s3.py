@@ -205,6 +205,19 @@ class S3Store(Store):
         except Exception:  # best effort: an unfinished multipart upload is never an object
             pass
 
+    def _sweep(self, prefix: str) -> int:
+        full = self._key(prefix)
+
+        def sweep() -> int:
+            gone = 0
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
+                for up in page.get("Uploads", []):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    gone += 1
+            return gone
+
+        return self._call(f"abort unfinished uploads under {prefix}", sweep)
+
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
         from botocore.exceptions import ClientError
 

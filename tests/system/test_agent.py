@@ -168,7 +168,9 @@ def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str,
     Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
     job = counters("job")
     assert snapguard("protect", "--pid", str(job.pid), "--job", "train-c", env=env).returncode == 0
-    agent = AgentProc(tmp_path, env)
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    agent = AgentProc(tmp_path, env, "--store", f"file://{store}")  # streaming: the upload began too
     try:
         agent.wait_event("agent_started")
         assert snapguard("notice", "--reason", "spot", env=env).returncode == 0
@@ -187,8 +189,8 @@ def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str,
 
     # the restart settles it: the stray CRIU is killed, the unmarked image discarded, the notice
     # (still open) acted on again
-    again = subprocess.run([EXE, "agent", "--once"], env={**os.environ, **env}, capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run([EXE, "agent", "--once", "--store", f"file://{store}"], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert not os.path.exists(f"/proc/{stray}") or "Z" in Path(f"/proc/{stray}/stat").read_text().split()[2]
     assert "snapguard AGENT_SNAPSHOT_INTERRUPTED: " in again.stderr
@@ -205,6 +207,13 @@ def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str,
     job_done = job.poll() is not None or (job.wait(timeout=10) is not None)
     assert (snapshotted and job_done) or (not snapshotted and job.poll() is None)
     assert kinds.count("snapshot_sealed") == 1 and "notice_done" in kinds[kinds.index("snapshot_sealed"):]
+    # the upload the killed agent began was swept from the store; the new snapshot's is whole
+    assert kinds.index("upload_swept") < kinds.index("snapshot_sealed")
+    from snapguard.store import open_store
+
+    whole = open_store(f"file://{store}").images("train-c", whole_only=False)
+    assert [r.complete for r in whole] == ([True] if snapshotted else [])
+    assert not [p for p in store.rglob(".tmp-*")]
 
 
 def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> None:

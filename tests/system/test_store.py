@@ -320,6 +320,32 @@ def test_streaming_push_aborted_leaves_nothing_and_is_fenced_first(store_url: st
     assert [k for k in store._list("job-a/") if "/images/" in k] == []
 
 
+STREAM_KILLED = """
+import os, signal, sys, time
+from snapguard.store import SPAN, open_store
+s = open_store(sys.argv[1]).stream(sys.argv[2], "job-k", name="killed")
+with open(os.path.join(sys.argv[2], "pages-1.img"), "wb") as f:
+    f.write(os.urandom(SPAN + 7))
+while s.streamed_bytes < SPAN:
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_streaming_writer_killed_leaves_nothing_marked_and_is_swept(store_url: str, tmp_path: Path) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    out = subprocess.run([sys.executable, "-c", STREAM_KILLED, store_url, str(d)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == -9, out.stderr
+    store = open_store(store_url)
+    assert store.images("job-k", whole_only=False) == [] and store.newest("job-k") is None
+    assert store.discard_partial("job-k", "killed") >= 1  # a temporary file, or an unfinished multipart upload
+    assert store.discard_partial("job-k", "killed") == 0
+    if store_url.startswith("file://"):
+        assert not [p for p in Path(store_url[7:]).rglob("*") if p.is_file()]
+
+
 def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path) -> None:
     """Node a snapshots a counter (stop) and pushes it; node b, a network namespace of its own
     reaching the store over its veth, restores it with --from; the counter continues exactly.
