@@ -206,3 +206,33 @@ def test_driver_calls_cuinit_only_when_a_call_asks(needs_init: bool, tmp_path: P
     assert driver.lib.fake_init_calls() == (1 if needs_init else 0)
     with pytest.raises(CudaError, match=r"cuCheckpointProcessGetState \(pid 0\): CUDA_ERROR_FAKE \(1\)"):
         driver.state(0)
+
+
+def _facts(n_image: int, n_host: int, name: str = "NVIDIA H200") -> object:
+    class Report:
+        facts = {"manifest": {"gpu": {"gpus": [{"index": i, "uuid": f"GPU-old-{i}", "name": name}
+                                               for i in range(n_image)]}},
+                 "gpu": {"gpus": [{"index": i, "uuid": f"GPU-new-{i}", "name": "NVIDIA H200"} for i in range(n_host)]}}
+    return Report()
+
+
+def test_device_map_is_completed_into_one_naming_every_gpu_of_the_old_node() -> None:
+    from snapguard.pipeline._sequence import _resolve_device_map
+    from snapguard.reasons import Reason, SnapguardError
+
+    # driver 580 refuses a map leaving a GPU of the old node out: 0=1 on two GPUs is the swap
+    assert _resolve_device_map((("0", "1"),), _facts(2, 2)) == [("GPU-old-0", "GPU-new-1"), ("GPU-old-1", "GPU-new-0")]
+    assert _resolve_device_map((("GPU-old-1", "0"),), _facts(2, 2)) == [("GPU-old-1", "GPU-new-0"),
+                                                                       ("GPU-old-0", "GPU-new-1")]
+    assert _resolve_device_map((("0", "2"),), _facts(1, 4)) == [("GPU-old-0", "GPU-new-2")]
+    for given, facts, reason in (((("0", "5"),), _facts(2, 2), Reason.GPU_IDENTITY_MISMATCH),
+                                 ((("3", "0"),), _facts(2, 2), Reason.GPU_IDENTITY_MISMATCH),
+                                 ((("0", "1"), ("1", "1")), _facts(2, 2), Reason.USAGE_ERROR),
+                                 ((("0", "0"),), _facts(2, 1), Reason.GPU_COUNT_MISMATCH),
+                                 ((("0", "1"),), _facts(2, 2, name="NVIDIA A100"), Reason.GPU_MODEL_MISMATCH)):
+        try:
+            _resolve_device_map(given, facts)  # type: ignore[arg-type]
+        except SnapguardError as e:
+            assert e.reason is reason, (given, e)
+        else:
+            raise AssertionError(f"{given} was accepted")
