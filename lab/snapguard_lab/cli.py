@@ -8,7 +8,7 @@ import tempfile
 from typing import NoReturn
 
 from . import __version__
-from .arms import DEFAULT_TORCH_ARMS, TORCH_ARMS
+from .arms import DEFAULT_TORCH_ARMS, GOODPUT_ARMS, TORCH_ARMS
 
 PROG = "snapguard-lab"
 EXIT_USAGE = 2
@@ -50,11 +50,70 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--at", type=int, default=80, help="torch: snapshot after this step (default 80)")
     dr.add_argument("--arms", default=",".join(DEFAULT_TORCH_ARMS), metavar="LIST",
                     help="torch: comma-separated arms among " + ", ".join(TORCH_ARMS) +
-                         f" (default {','.join(DEFAULT_TORCH_ARMS)}; compile takes minutes of compiling)")
+                         f" (default {','.join(DEFAULT_TORCH_ARMS)}; compile takes minutes of compiling); "
+                         "or goodput: the goodput drill, a seeded reclaim schedule against arms A-D")
+    gp = dr.add_argument_group("goodput (--workload torch --arms goodput)", (
+        "A seeded schedule of noticed reclaims (with leads) and unannounced kills, in the reference's seconds "
+        "(notices every 300 s, leads 30-120 s, unannounced every 1800 s, files every 60 s, a 1500 s window), "
+        "each divided by --compress, replayed against the trainer for A: files + urgent file on notice, cold "
+        "start; B: A + the snapshot on notice through the agent and a file:// store; C: the snapshot on notice + "
+        "files at the planner's cadence; D: the snapshot on notice, no files."))
+    gp.add_argument("--seed", type=int, default=1, help="the schedule's seed (default 1)")
+    gp.add_argument("--compress", type=float, default=1.0, metavar="K",
+                    help="divide every time of the schedule by K (default 1: the reference's seconds)")
+    gp.add_argument("--window", type=float, metavar="S", help="window per arm, reference seconds (default 1500)")
+    gp.add_argument("--notice-every", type=float, metavar="S", help="mean gap between notices (default 300)")
+    gp.add_argument("--lead", metavar="LO-HI", help="notice lead range, reference seconds (default 30-120)")
+    gp.add_argument("--unannounced-every", type=float, metavar="S",
+                    help="mean gap between unannounced kills (default 1800; 0: none)")
+    gp.add_argument("--file-every", type=float, metavar="S", help="arms A and B: file cadence (default 60)")
+    gp.add_argument("--goodput-arms", default="".join(GOODPUT_ARMS), metavar="LETTERS",
+                    help="which of the arms A, B, C, D to run (default ABCD)")
+    gp.add_argument("--concurrent", action="store_true",
+                    help="run the uninterrupted run and the arms at once (one GPU, as the reference did); "
+                         "default one after another")
+    gp.add_argument("--trainer-args", default="", metavar="ARGS",
+                    help="extra arguments for train.py, e.g. '--device cpu --width 48 --layers 1 --batch 1'")
     return p
 
 
+def _goodput(args: argparse.Namespace) -> int:
+    import shlex
+
+    from .goodput import shape_with
+
+    lead_lo = lead_hi = None
+    if args.lead:
+        lo, sep, hi = args.lead.partition("-")
+        try:
+            lead_lo, lead_hi = float(lo), float(hi if sep else lo)
+        except ValueError:
+            return _usage_error(f"--lead {args.lead!r}: LO-HI in seconds")
+        if not 0 < lead_lo <= lead_hi:
+            return _usage_error(f"--lead {args.lead!r}: 0 < LO <= HI")
+    for name in ("compress", "window", "notice_every", "file_every"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            return _usage_error(f"--{name.replace('_', '-')} must be > 0")
+    if args.unannounced_every is not None and args.unannounced_every < 0:
+        return _usage_error("--unannounced-every must be >= 0")
+    letters = args.goodput_arms.upper()
+    if not letters or any(c not in GOODPUT_ARMS for c in letters):
+        return _usage_error(f"--goodput-arms {args.goodput_arms!r}: letters among {''.join(GOODPUT_ARMS)}")
+    unannounced = args.unannounced_every
+    shape = shape_with(window_s=args.window, notice_every_s=args.notice_every, lead_lo_s=lead_lo, lead_hi_s=lead_hi,
+                       unannounced_every_s=(float("inf") if unannounced == 0 else unannounced),
+                       file_every_s=args.file_every)
+    from .goodput import run_goodput_drill
+
+    return run_goodput_drill(args.workdir or tempfile.mkdtemp(prefix="snapguard-goodput-"), seed=args.seed,
+                             compress=args.compress, shape=shape, trainer_args=tuple(shlex.split(args.trainer_args)),
+                             concurrent=args.concurrent, json_path=args.json, arms=letters)
+
+
 def _cmd_drill(args: argparse.Namespace) -> int:
+    if args.workload == "torch" and args.arms.strip() == "goodput":
+        return _goodput(args)
     if args.workload == "torch":
         # checked before the drill (and snapguard's snapshot pipeline behind it) is imported
         if not 0 < args.at < args.steps:

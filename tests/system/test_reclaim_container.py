@@ -49,10 +49,11 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
         t._delete()
 
         # snapguard's own flags must come first after the verb, and need --from
-        late = t._run([*t._executor(), "restore", "--bundle", str(t.bundle), "--from", url, t.container_id],
+        refused = ["--image-path", str(tmp_path / "refused"), "--work-path", str(tmp_path / "refused")]
+        late = t._run([*t._executor(), "restore", *refused, "--bundle", str(t.bundle), "--from", url, t.container_id],
                       None, "restore-late-flag")
         assert late.returncode != 0 and any("USAGE_ERROR" in m for m in t.runc_log_messages()), late.stderr
-        lone = t._run([*t._executor(), "restore", "--from-job", "ctr-job", "--bundle", str(t.bundle),
+        lone = t._run([*t._executor(), "restore", "--from-job", "ctr-job", *refused, "--bundle", str(t.bundle),
                        t.container_id], None, "restore-lone-job")
         assert lone.returncode != 0 and "--from-job and --from-image need --from" in t.runc_log_messages()[-1]
 

@@ -1,0 +1,114 @@
+"""The goodput drill's machinery on the CPU (issue 14, item 3): a short seeded reclaim schedule
+replayed against the real trainer (small model) for arms A-D, through the real agent, a file://
+store, CRIU and restore_from, every logged step compared with the uninterrupted run's loss bits.
+
+The arms run one after another (this machine has 2 shared cores: `--concurrent` is for the GPU);
+the goodput figures of a 30 s window mean little, what is checked is that every arm met its events
+and recovered as its rule says, and that no step's loss differs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from snapguard_lab.goodput import make_schedule, run_goodput_drill, shape_with
+
+pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
+
+SMALL_CPU = ("--device", "cpu", "--width", "48", "--layers", "1", "--batch", "1")
+# compressed 20 times: a 30 s window, notices every 15 s with 10-20 s of lead (a snapshot of the
+# small trainer is whole in 2-4 s here), unannounced kills every 30 s, files every 3 s. Seed 115:
+# a notice at 4.2 s (lead 19.4 s) and an unannounced kill at 22.7 s, before A's reclaim and long
+# after the snapshot arms' restores (many of C's files later)
+SEED, COMPRESS = 115, 20.0
+SHAPE = shape_with(window_s=600, lead_lo_s=200, lead_hi_s=400, unannounced_every_s=600)
+
+
+def test_schedule_is_seeded_and_scaled() -> None:
+    a, b = make_schedule(SEED, SHAPE.scaled(COMPRESS)), make_schedule(SEED, SHAPE.scaled(COMPRESS))
+    assert a == b and [e.kind for e in a] == ["notice", "unannounced"]
+    assert all(0 <= e.t < 30 for e in a) and all(10 <= e.lead <= 20 for e in a if e.kind == "notice")
+    assert make_schedule(SEED + 1, SHAPE.scaled(COMPRESS)) != a
+    # the reference's shape, uncompressed: about 5 notices and 1 unannounced kill in 1500 s
+    ref = [make_schedule(s, shape_with()) for s in range(1, 41)]
+    notices = sum(1 for sched in ref for e in sched if e.kind == "notice") / len(ref)
+    assert 3.5 < notices < 6.5 and all(30 <= e.lead <= 120 for s in ref for e in s if e.kind == "notice")
+
+
+def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the goodput drill needs root (CRIU, the agent)")
+    (tmp_path / "config.toml").write_text("")
+    monkeypatch.setenv("SNAPGUARD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("SNAPGUARD_STATE_DIR", str(tmp_path / "state"))
+    out = tmp_path / "goodput.json"
+    rc = run_goodput_drill(str(tmp_path / "work"), seed=SEED, compress=COMPRESS, shape=SHAPE,
+                           trainer_args=SMALL_CPU, concurrent=False, json_path=str(out))
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["ok"], printed
+
+    # JSON shape
+    assert {"seed", "compress", "concurrent", "shape_reference_s", "shape_s", "schedule", "calibration",
+            "cadence_c_s", "planner_inputs", "reference", "arms"} <= set(report)
+    assert report["shape_s"]["window_s"] == pytest.approx(30.0) and report["shape_s"]["file_every_s"] == 3.0
+    schedule = report["schedule"]
+    assert [e["kind"] for e in schedule] == ["notice", "unannounced"]
+    cal = report["calibration"]
+    assert cal["file_stall_s"] > 0 and cal["cold_start_s"] > 0 and cal["snapshot_lag_s"] > 0
+    assert cal["bits"]["bit_identical"]
+    assert set(report["planner_inputs"]["costs"]) >= {"file_stall_s", "cold_start_s", "snapshot_lag_s",
+                                                      "snapshot_restore_s", "notice_downtime_s"}
+    assert report["reference"]["steps_in_window"] > 20
+    arms = report["arms"]
+    assert set(arms) == {"A", "B", "C", "D"}
+    # C's cadence is the planner's (set from the calibrated costs), D writes none, A and B every 3 s
+    assert arms["C"]["file_every_s"] == report["cadence_c_s"] > 0 and arms["D"]["file_every_s"] is None
+    assert arms["A"]["file_every_s"] == arms["B"]["file_every_s"] == 3.0
+
+    for name, arm in arms.items():
+        assert not arm.get("failed"), (name, arm.get("failure"))
+        # every scheduled event met, each with how training went on and what it cost
+        assert arm["ran_all_events"] and arm["events"], name
+        assert [e["id"] for e in arm["events"] + arm["events_after_window"]] == [e["id"] for e in schedule], name
+        for e in arm["events"]:
+            if e["outcome"] != "overtaken":
+                assert e["steps_lost"] >= 0 and e["first_new_step"] == e["resumed_from_step"] + 1, (name, e)
+        # every logged step, replays included, has the uninterrupted run's loss bits
+        bits = arm["bits"]
+        assert bits["bit_identical"] and bits["rows_compared"] == bits["rows_logged"] > 10, (name, bits)
+        assert 0 < arm["goodput"] <= 1 and 0 <= arm["predicted_goodput"] <= 1, name
+        assert arm["difference_points"] == pytest.approx(100 * (arm["goodput"] - arm["predicted_goodput"]))
+        assert arm["steps_lost_per_event"] == [e.get("steps_lost") for e in arm["events"]]
+
+    # notice -> urgent file (A, B, C) -> the agent's stopping snapshot, whole in the store before
+    # the lead ran out -> restore_from on the "replacement": nothing lost
+    for name in "BCD":
+        (notice,) = [e for e in arms[name]["events"] if e["kind"] == "notice"]
+        assert notice["outcome"] == "restored" and notice["steps_lost"] == 0, (name, notice)
+        assert notice["snapshot"]["spare_lead_s"] > 0 and notice["snapshot"]["bytes"] > 0
+        assert notice["notice_to_first_new_step_s"] > notice["restore_to_first_new_step_s"] > 0
+        assert ("urgent_file" in notice) == (name != "D")
+    (a_notice,) = [e for e in arms["A"]["events"] if e["kind"] == "notice"]
+    assert "urgent_file" in a_notice and a_notice["outcome"] in ("cold start from file", "overtaken")
+
+    # the last unannounced kill: D goes back to its notice's snapshot, C only to its newest file
+    d_kill, c_kill = arms["D"]["events"][-1], arms["C"]["events"][-1]
+    assert d_kill["outcome"] == "restored paired snapshot" and c_kill["outcome"] == "cold start from file"
+    assert d_kill["steps_lost"] > c_kill["steps_lost"], (d_kill, c_kill)
+
+    assert "goodput drill:" in printed and "PASS" in printed
+    for name in "ABCD":
+        assert f"\n{name} " in printed  # a table row per arm
+    # nothing of the drill keeps running
+    work = str(tmp_path / "work")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert work.encode() not in cmdline, (pid, cmdline[:200])
