@@ -6,6 +6,10 @@ to --log (opened O_APPEND, which CRIU does not size-check at restore):
 and at the end SHA-256 digests of parameters, optimizer state and RNG state to --result. Data is
 generated in-process from the step number, so a run depends on nothing but its seed.
 --save-at/--save-path and --resume give the file-checkpoint baseline (torch.save + fsync + rename).
+--dcp-at/--dcp-path: the other file-checkpoint peer, torch.distributed.checkpoint.async_save into a
+directory after that step (no process group: one process); it logs `dcp-staged <step> <seconds the
+call held training> <unix time>` when training goes on, then `dcp-done <step> <seconds from the call
+to the write complete> <unix time>` (or `dcp-failed <step> <error>`) at the first step boundary after.
 """
 
 from __future__ import annotations
@@ -101,6 +105,28 @@ def save_file_checkpoint(path: str, step: int, model: nn.Module, opt: torch.opti
     return time.perf_counter() - t0
 
 
+def dcp_async_save(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[object, float, list[float]]:
+    """Start a DCP async save; (its future, seconds the call held training, [completion time] once done)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    done: list[float] = []
+    t0 = time.perf_counter()
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    try:
+        ret = dcp.async_save(state, checkpoint_id=path)
+    except (RuntimeError, ValueError, AssertionError):
+        if dist.is_initialized():
+            raise
+        # a torch whose async_save wants a process group: one process, gloo, through a file store
+        dist.init_process_group("gloo", store=dist.FileStore(path.rstrip("/") + ".pg-store", 1), rank=0, world_size=1)
+        ret = dcp.async_save(state, checkpoint_id=path)
+    fut = getattr(ret, "upload_completion", ret)  # AsyncSaveResponse (async staging) or a Future
+    held = time.perf_counter() - t0
+    fut.add_done_callback(lambda _: done.append(time.perf_counter() - t0))
+    return fut, held, done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
@@ -115,6 +141,8 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0, help="write a file checkpoint after this step")
     ap.add_argument("--save-path")
     ap.add_argument("--resume", help="continue from a file checkpoint")
+    ap.add_argument("--dcp-at", type=int, default=0, help="start a DCP async_save after this step")
+    ap.add_argument("--dcp-path", help="the DCP checkpoint directory")
     ap.add_argument("--stderr", help="append stderr to this file (in a container whose stdio is /dev/null)")
     args = ap.parse_args()
     if args.stderr:
@@ -139,6 +167,7 @@ def main() -> None:
     log = open(args.log, "a", buffering=1)
     log.write(f"start {os.getpid()} {t_start:.6f} {time.time():.6f} "
               f"{sum(p.numel() for p in model.parameters())}\n")
+    dcp_pending = None
     for step in range(first, args.steps + 1):
         x, y = batch(step, args.batch, device)
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -151,9 +180,36 @@ def main() -> None:
         log.write(f"step {step} {bits} {time.time():.6f} {reserved}\n")
         if step == args.save_at and args.save_path:
             log.write(f"saved {step} {save_file_checkpoint(args.save_path, step, model, opt, device):.6f}\n")
+        if dcp_pending is not None and dcp_pending[0].done():
+            dcp_report(log, dcp_pending)
+            dcp_pending = None
+        if step == args.dcp_at and args.dcp_path:
+            try:
+                fut, held, done = dcp_async_save(args.dcp_path, step, model, opt)
+            except Exception as e:  # reported in the log; training goes on
+                log.write(f"dcp-failed {step} {' '.join(f'{type(e).__name__}: {e}'.split())[:400]}\n")
+            else:
+                log.write(f"dcp-staged {step} {held:.6f} {time.time():.6f}\n")
+                dcp_pending = (fut, step, done)
+    if dcp_pending is not None:
+        dcp_pending[0].exception()  # waits for the write
+        dcp_report(log, dcp_pending)
     with open(args.result + ".tmp", "w") as f:
         json.dump({"steps": args.steps, **state_digests(model, opt, device)}, f)
     os.replace(args.result + ".tmp", args.result)
+
+
+def dcp_report(log: io.TextIOBase, pending: tuple[object, int, list[float]]) -> None:
+    fut, step, done = pending
+    err = fut.exception()  # type: ignore[attr-defined]
+    for _ in range(1000):  # done() turns true just before the callbacks run
+        if done:
+            break
+        time.sleep(0.001)
+    if err is not None:
+        log.write(f"dcp-failed {step} {' '.join(f'{type(err).__name__}: {err}'.split())[:400]}\n")
+    else:
+        log.write(f"dcp-done {step} {done[0] if done else float('nan'):.6f} {time.time():.6f}\n")
 
 
 if __name__ == "__main__":
