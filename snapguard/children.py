@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from .reasons import Reason, SnapguardError
 
@@ -38,16 +39,39 @@ def _start_error(argv: list[str], what: str, e: OSError, reason: Reason) -> Snap
 
 
 def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Mapping[str, str] | None = None,
-        inherit_fds: bool = False, start_reason: Reason | None = None) -> int:
+        inherit_fds: bool = False, start_reason: Reason | None = None,
+        pointless: Callable[[], str | None] | None = None, pointless_reason: Reason | None = None,
+        grace_s: float = 10.0) -> int:
     """Run argv (stdio inherited) to completion within timeout_s; its exit status.
-    `inherit_fds`: containerd hands runc the container's stdio and sockets by fd inheritance."""
+    `inherit_fds`: containerd hands runc the container's stdio and sockets by fd inheritance.
+    `pointless()`, asked a few times a second, says why waiting on has stopped making sense (the
+    workload a dump works on died): the child gets `grace_s` more to end by itself, as it may be
+    finishing (CRIU ends a stopped dump's tree itself), then its group is killed and the caller
+    gets `pointless_reason` with that why."""
     try:
         proc = subprocess.Popen(argv, env=env, close_fds=not inherit_fds, process_group=0,
                                 stdin=None if inherit_fds else subprocess.DEVNULL)
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
+    deadline = time.monotonic() + timeout_s
+    why: tuple[float, str] | None = None
     try:
-        return proc.wait(timeout=timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(argv, timeout_s)
+            try:
+                return proc.wait(timeout=left if pointless is None else min(left, 0.25))
+            except subprocess.TimeoutExpired:
+                if pointless is None or time.monotonic() >= deadline:
+                    raise
+            if why is None:
+                said = pointless()
+                why = (time.monotonic(), said) if said else None
+            elif time.monotonic() - why[0] >= grace_s:
+                _kill_group(proc)
+                raise SnapguardError(pointless_reason or reason, f"{what}: {why[1]}, and it did not end within "
+                                     f"{grace_s:g} s of that: killed", evidence={"argv0": argv[0]})
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise ChildTimeout(reason, f"{what} did not finish within {timeout_s:g} s and was killed",

@@ -66,8 +66,10 @@ class CriuRunner:
         return self.pid
 
     def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
-        return children.run(options.dump_argv(self.criu, self.target_pid()), env=env, timeout_s=req.timeouts.run_s,
-                            what="criu dump", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING)
+        pid = self.target_pid()
+        return children.run(options.dump_argv(self.criu, pid), env=env, timeout_s=req.timeouts.run_s,
+                            what="criu dump", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING,
+                            pointless=_died(pid), pointless_reason=Reason.CRIU_DUMP_FAILED)
 
     def after_failed_dump(self) -> None:
         pass  # CRIU seized the tree with ptrace: its end, even a kill, lets the tree go on
@@ -131,17 +133,18 @@ class RuncRunner:
                                  evidence={"container": self.container_id, "status": self.status_before})
         return int(state["pid"])
 
-    def _run(self, req: Request, env: dict[str, str], verb: str) -> int:
+    def _run(self, req: Request, env: dict[str, str], verb: str, pointless: Any = None) -> int:
         try:
             self._log_offset = os.stat(self.log).st_size if self.log else 0
         except OSError:
             self._log_offset = 0
         # containerd hands runc the container's stdio and sockets by fd inheritance
         return children.run([self.runc, *self.args], env=env, timeout_s=req.timeouts.run_s, what=f"runc {verb}",
-                            reason=Reason.RUNC_TIMEOUT, start_reason=Reason.RUNC_UNUSABLE, inherit_fds=True)
+                            reason=Reason.RUNC_TIMEOUT, start_reason=Reason.RUNC_UNUSABLE, inherit_fds=True,
+                            pointless=pointless, pointless_reason=Reason.CRIU_DUMP_FAILED)
 
     def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
-        return self._run(req, env, "checkpoint")
+        return self._run(req, env, "checkpoint", pointless=_died(self.target_pid()))
 
     def after_failed_dump(self) -> None:
         """CRIU freezes a container's cgroup: a runc or CRIU killed mid-dump leaves it frozen."""
@@ -225,6 +228,16 @@ class RuncRunner:
             except (OSError, ValueError):
                 pass
         return int(runc.state(self.runc, self.root, self.container_id)["pid"])
+
+
+def _died(pid: int) -> Any:
+    """For a dump's wait: why waiting on is pointless once the workload died under it (killed
+    mid-dump: CRIU, still tracing a zombie, was seen to wait on for minutes). A stopping dump's
+    CRIU ends the tree itself when done; the grace children.run gives covers its last steps."""
+    def why() -> str | None:
+        state = procfs.process_state(pid)
+        return f"the workload (pid {pid}) died during the dump" if state in ("Z", "X", "gone") else None
+    return why
 
 
 def end_tree(pid: int, wait_s: float = 10.0) -> bool:

@@ -376,3 +376,37 @@ def test_fault(kind: str, step: str, targets: Callable[..., Target], tmp_path: P
     last = case.extra["last"]
     after = [v for v in rows if v[0] == last + 1]
     assert after == [(last + 1, expected_hash(last + 1))], "the retried restore did not continue where it stopped"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_workload_killed_mid_dump_ends_the_dump_within_seconds(kind: str, targets: Callable[..., Target],
+                                                              tmp_path: Path) -> None:
+    """A workload that dies while CRIU works on it (the goodput drill killed a trainer mid-dump
+    and CRIU, tracing a zombie, waited on for minutes): the dump is ended about 10 s after the
+    death, long before snapguard's deadline (here 600 s), with one typed line, nothing left."""
+    import signal
+    import threading
+
+    t = targets(kind)
+    hang = criu_wrapper(tmp_path / "criu-hangs", "hang")
+    t.configure(criu=str(hang), criu_timeout_s=60)
+    images, work = _dirs(tmp_path)
+    done: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: done.update(out=t.checkpoint(images, work), t=time.monotonic()))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{hang}.pids") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = t.pid()
+    assert pid is not None and os.path.exists(f"{hang}.pids"), "the stand-in CRIU never ran"
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "the dump outlived its workload by two minutes"
+    out = done["out"]
+    assert done["t"] - killed < 30, f"{done['t'] - killed:.1f} s after the workload died"
+    lines = typed_lines(out.stderr)
+    assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("snapguard CRIU_DUMP_FAILED: ") and "died during the dump" in lines[0], lines[0]
+    assert wait_gone([int(p) for p in Path(f"{hang}.pids").read_text().split()]) == []
+    assert not (images / MARKER_NAME).exists()
