@@ -319,6 +319,30 @@ class Store:
             self._delete(key)
         return len(keys) + self._sweep(prefix)
 
+    def delete_image(self, job: str, name: str) -> int:
+        """Delete an image, its marker first (from then on it no longer counts), then every file
+        and whatever an unfinished upload left under it. How many things were removed."""
+        prefix = f"{check_name('job', job)}/images/{check_name('image', name)}/"
+        self._delete(prefix + MARKER_NAME)
+        keys = self._list(prefix)
+        for key in keys:
+            self._delete(key)
+        return len(keys) + self._sweep(prefix)
+
+    def prune(self, job: str, keep: int) -> list[str]:
+        """Keep the job's `keep` newest whole images; delete the older whole ones and every
+        unmarked one older than the newest whole image (an upload that died). Returns the names
+        deleted. An unmarked image newer than every whole one may be an upload under way: kept."""
+        if keep < 1:
+            raise SnapguardError(Reason.USAGE_ERROR, f"--keep {keep}: keep at least the newest whole image")
+        refs = self.images(job, whole_only=False)
+        whole = [r.name for r in refs if r.complete]
+        newest = whole[-1] if whole else None
+        doomed = [n for n in whole[:-keep]] + [r.name for r in refs if not r.complete and newest and r.name < newest]
+        for name in sorted(doomed):
+            self.delete_image(job, name)
+        return sorted(doomed)
+
     def stream(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
                progress: Progress | None = None, parallel: int = 4) -> Any:
         """Start uploading the image being written into image_dir (see snapguard.store._stream);

@@ -346,6 +346,24 @@ def test_streaming_writer_killed_leaves_nothing_marked_and_is_swept(store_url: s
         assert not [p for p in Path(store_url[7:]).rglob("*") if p.is_file()]
 
 
+def test_prune_keeps_the_newest_whole_images_and_an_upload_under_way(store_url: str, sealed: Path,
+                                                                     tmp_path: Path) -> None:
+    store = open_store(store_url)
+    for name in ("20260101T000001.000000Z", "20260101T000002.000000Z", "20260101T000004.000000Z"):
+        store.push(str(sealed), "job-p", name=name)
+    # an upload that died between two whole ones, and one under way after the newest
+    for name in ("20260101T000003.000000Z", "20260101T000005.000000Z"):
+        store._put(f"job-p/images/{name}/pages-1.img", b"half")
+    out = snapguard("prune", "--store", store_url, "--job", "job-p", "--keep", "2", "--json", env=node_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["deleted"] == ["20260101T000001.000000Z", "20260101T000003.000000Z"]
+    assert [(r.name, r.complete) for r in store.images("job-p", whole_only=False)] == [
+        ("20260101T000002.000000Z", True), ("20260101T000004.000000Z", True), ("20260101T000005.000000Z", False)]
+    assert store.pull(store.newest("job-p"), str(tmp_path / "dest")).bytes > 0  # what is kept is whole
+    bad = snapguard("prune", "--store", store_url, "--job", "job-p", "--keep", "0", env=node_env(tmp_path))
+    assert bad.returncode == 1 and bad.stderr.startswith("snapguard USAGE_ERROR: "), bad.stderr
+
+
 def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path) -> None:
     """Node a snapshots a counter (stop) and pushes it; node b, a network namespace of its own
     reaching the store over its veth, restores it with --from; the counter continues exactly.
