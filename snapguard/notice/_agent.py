@@ -213,7 +213,8 @@ def _end_strays(image: str, wait_s: float = 10.0) -> list[int]:
 class Agent:
     def __init__(self, config: Config, sources: list[Source], *, store_url: str | None = None,
                  images: str | None = None, interval_s: float = 5.0,
-                 log: Callable[[str], None] | None = None, containerd: Any = None) -> None:
+                 log: Callable[[str], None] | None = None, containerd: Any = None,
+                 keep: int | None = None) -> None:
         self.config = config
         self.dir = agent_dir(config)
         self.images = files.ensure_private_dir(images or os.path.join(self.dir, IMAGES))
@@ -228,6 +229,7 @@ class Agent:
         self._source_state: dict[str, str | None] = {}
         self._lock_fd: int | None = None
         self.containerd = containerd  # a _containerd.ContainerdWatch: annotated containers join the registry
+        self.keep = keep  # after an upload, the job's older images beyond this many whole ones are pruned
         self._skipped_said: set[str] = set()
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -582,6 +584,21 @@ class Agent:
         self.registry.update(key, uploaded=True)
         self.log(f"uploaded {name} to {self.store_url}, whole {time.monotonic() - start:.2f} s after the snapshot "
                  f"began ({stream.streamed_bytes >> 20} MiB of it sent while CRIU wrote)")
+        self._prune(w["job"])
+
+    def _prune(self, job: str) -> None:
+        if not self.keep or not self.store_url:
+            return
+        try:
+            from .. import store as store_mod
+
+            gone = store_mod.open_store(self.store_url).prune(job, self.keep)
+        except SnapguardError as e:
+            self.log(f"could not prune job {job} in {self.store_url}: {e.failure.message}")
+            return
+        if gone:
+            self.journal("pruned", job=job, store=self.store_url, images=gone)
+            self.log(f"pruned {len(gone)} older image(s) of job {job} from {self.store_url}")
 
     def _progress_logger(self, name: str) -> Callable[[dict[str, Any]], None]:
         def report(state: dict[str, Any]) -> None:
@@ -629,6 +646,7 @@ class Agent:
                      result=out if isinstance(out, (str, int, float, dict, list, type(None))) else str(out))
         self.registry.update(key, uploaded=True)
         self.log(f"uploaded {name} to {self.store_url} in {time.monotonic() - start:.2f} s")
+        self._prune(w["job"])
 
     # -- polling ---------------------------------------------------------------------------------
     def _note_source(self, name: str, error: str | None) -> None:

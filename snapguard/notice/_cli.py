@@ -57,6 +57,8 @@ def add_parsers(sub: Any) -> None:
                     help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
     ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
                                                          "act, exit")
+    ag.add_argument("--keep", type=int, metavar="N", help="after each upload, keep the job's N newest whole images "
+                    "in the store and delete the older ones (default: delete nothing)")
     ag.add_argument("--containerd", action="store_true",
                     help="protect every running container annotated snapguard.io/job (OCI spec annotation or "
                          "containerd label; Kubernetes pod annotations arrive through the runtime's "
@@ -154,9 +156,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from ._agent import Agent
 
     _root_only("snapguard agent")
+    if args.keep is not None and args.keep < 1:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--keep {args.keep}: keep at least the newest whole image")
     config = load()
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
-                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args))
+                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args),
+                  keep=args.keep)
     return agent.run(once=args.once)
 
 

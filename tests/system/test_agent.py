@@ -216,6 +216,14 @@ def test_agent_killed_mid_snapshot_then_restarted(tmp_path: Path, env: dict[str,
     assert not [p for p in store.rglob(".tmp-*")]
 
 
+def _idle_counter(tmp_path: Path) -> int:
+    log = tmp_path / "older.log"
+    p = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 30, "the older counter")
+    return p.pid
+
+
 def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> None:
     """The image goes to the store while CRIU writes it: a workload with 512 MiB of memory, whose
     pages file passes several 64 MiB spans during the dump; the marker only after the seal."""
@@ -229,8 +237,12 @@ def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> 
     assert snapguard("notice", "--reason", "test", env=env).returncode == 0
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
-    out = subprocess.run([EXE, "agent", "--once", "--store", f"file://{store}"], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=120)
+    open_store = store_mod.open_store
+    older = tmp_path / "older"  # an older image of the job, which --keep 1 prunes after the upload
+    assert snapguard("checkpoint", "--pid", str(_idle_counter(tmp_path)), "--images", str(older), env=env).returncode == 0
+    open_store(f"file://{store}").push(str(older), "train-d", name="20200101T000000.000000Z")
+    out = subprocess.run([EXE, "agent", "--once", "--store", f"file://{store}", "--keep", "1"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     job.wait(timeout=10)
     events = [json.loads(x) for x in (Path(env["SNAPGUARD_STATE_DIR"]) / "agent" / "journal.jsonl").read_text().splitlines()]
@@ -239,7 +251,8 @@ def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> 
     uploaded = events[kinds.index("uploaded")]
     assert uploaded["streaming"] and uploaded["streamed_bytes"] >= store_mod.SPAN and uploaded["resent"] == []
     refs = store_mod.open_store(f"file://{store}").images("train-d")
-    assert len(refs) == 1 and refs[0].complete
+    assert len(refs) == 1 and refs[0].complete and refs[0].name != "20200101T000000.000000Z"  # pruned
+    assert "pruned" in kinds
     pulled = store_mod.open_store(f"file://{store}").pull(refs[0], str(tmp_path / "pulled"))
     assert pulled.bytes > (512 << 20)
 
