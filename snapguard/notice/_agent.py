@@ -572,11 +572,7 @@ class Agent:
         try:
             ref = stream.finish()
         except Exception as e:
-            f = failure_from(e)
-            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{name} to {self.store_url}: {f.message}",
-                              evidence={"image": image, "cause": f.reason.name})
-            self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
-            self.log(failure.message)
+            self._upload_failed(key, image, e)
             return
         self.journal("uploaded", key=key, image=image, store=self.store_url, streaming=True,
                      seconds=round(time.monotonic() - start, 3), streamed_bytes=stream.streamed_bytes,
@@ -585,6 +581,13 @@ class Agent:
         self.log(f"uploaded {name} to {self.store_url}, whole {time.monotonic() - start:.2f} s after the snapshot "
                  f"began ({stream.streamed_bytes >> 20} MiB of it sent while CRIU wrote)")
         self._prune(w["job"])
+
+    def _upload_failed(self, key: str, image: str, e: Exception) -> None:
+        f = failure_from(e)
+        failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{os.path.basename(image)} to {self.store_url}: {f.message}",
+                          evidence={"image": image, "cause": f.reason.name})
+        self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
+        self.log(failure.message)
 
     def _prune(self, job: str) -> None:
         if not self.keep or not self.store_url:
@@ -636,11 +639,7 @@ class Agent:
             store = store_mod.open_store(self.store_url)
             out = _put(store_mod, store, image, w, name, progress)
         except Exception as e:
-            f = failure_from(e)
-            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{name} to {self.store_url}: {f.message}",
-                              evidence={"image": image, "cause": f.reason.name})
-            self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
-            self.log(failure.message)
+            self._upload_failed(key, image, e)
             return
         self.journal("uploaded", key=key, image=image, store=self.store_url, seconds=round(time.monotonic() - start, 3),
                      result=out if isinstance(out, (str, int, float, dict, list, type(None))) else str(out))
