@@ -413,7 +413,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_install_parsers(sub) -> None:
-    from .install import DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG, DEFAULT_STATE_FILE
+    from .install import (DEFAULT_CC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG,
+                          DEFAULT_STATE_FILE, LAUNCHER_NAME)
     from .metrics import DEFAULT_TEXTFILE_DIR
 
     ins = sub.add_parser("install", help="add the snapguard runtime to containerd and write /etc/snapguard/config.toml",
@@ -438,7 +439,28 @@ def _add_install_parsers(sub) -> None:
                      help=f"where what was written is recorded, root-only (default {DEFAULT_STATE_FILE})")
     ins.add_argument("--containerd", metavar="PATH",
                      help="the containerd binary whose version is read (default /usr/bin/containerd, /usr/local/bin/containerd)")
-    ins.add_argument("--snapguard-runc", metavar="PATH", help="BinaryName (default: snapguard-runc beside this snapguard)")
+    ins.add_argument("--snapguard-runc", metavar="PATH",
+                     help="the Python snapguard-runc (default: the one beside this snapguard); given without "
+                          "--launcher, it is BinaryName as given and the launcher is not built")
+    launcher = ins.add_argument_group(
+        "snapguard-runc's C launcher",
+        "A small C program, compiled here from the sources installed with snapguard (snapguard/_c_helpers/ in a "
+        "wheel or the Debian package, c_helpers/ in a source or editable install) and made containerd's "
+        "BinaryName: it execs runc for every verb but checkpoint and restore without starting Python, and the "
+        "Python snapguard-runc for those two. By default it is built where its sources are found (and "
+        "--snapguard-runc is not given); otherwise BinaryName is the Python snapguard-runc.")
+    choice = launcher.add_mutually_exclusive_group()
+    choice.add_argument("--launcher", dest="launcher", action="store_const", const=True, default=None,
+                        help="require the launcher: fail where its sources or the compiler are missing")
+    choice.add_argument("--no-launcher", dest="launcher", action="store_const", const=False,
+                        help="do not build it: BinaryName is the Python snapguard-runc (a launcher an earlier run "
+                             "installed is removed)")
+    launcher.add_argument("--launcher-path", metavar="PATH",
+                          help=f"where the launcher is installed, an absolute path (default: {LAUNCHER_NAME} beside "
+                               "snapguard-runc)")
+    launcher.add_argument("--cc", default=DEFAULT_CC, metavar="PATH",
+                          help=f"the pinned C compiler that builds it, root's alone, run with a PATH of root's "
+                               f"directories only (default {DEFAULT_CC})")
     ins.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     met = sub.add_parser("metrics", help="the node preflight as Prometheus textfile metrics (node-exporter)",
@@ -454,9 +476,13 @@ def _add_install_parsers(sub) -> None:
 def _cmd_install(args: argparse.Namespace) -> int:
     from . import install
 
+    if args.launcher is False and args.launcher_path is not None and not args.uninstall:
+        raise SnapguardError(Reason.USAGE_ERROR,
+                             "--launcher-path names where the launcher goes: not with --no-launcher")
     opts = install.Options(containerd_config=args.containerd_config, dropin_dir=args.dropin_dir,
                            snapguard_config=args.config, state_file=args.state_file, runtime_name=args.runtime_name,
-                           containerd=args.containerd, snapguard_runc=args.snapguard_runc)
+                           containerd=args.containerd, snapguard_runc=args.snapguard_runc, launcher=args.launcher,
+                           launcher_path=args.launcher_path, cc=args.cc)
     plan = install.plan_uninstall(opts) if args.uninstall else install.plan_install(opts)
     if not args.dry_run:
         install.apply(plan)
@@ -571,6 +597,30 @@ def _add_store_parsers(sub) -> None:
     pl.add_argument("--json", action="store_true", help="print what was pulled as JSON")
 
 
+    pr = sub.add_parser("prune", help="delete a job's older images from an image store",
+                        description=("Keep the job's --keep newest whole images in the store and delete the older "
+                                     "ones (each marker first, so a reader never sees half an image as whole), and "
+                                     "every unmarked image older than the newest whole one (an upload that "
+                                     "died). An unmarked image newer than all whole ones may be an upload under "
+                                     "way and is kept."))
+    pr.add_argument("--store", required=True, metavar="URL", help="the store (file:// or s3://)")
+    pr.add_argument("--job", required=True, metavar="J", help="the job")
+    pr.add_argument("--keep", type=int, default=2, metavar="N", help="whole images to keep (default 2)")
+    pr.add_argument("--json", action="store_true", help="print what was deleted as JSON")
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .store import open_store
+
+    try:
+        gone = open_store(args.store).prune(args.job, args.keep)
+    except SnapguardError as e:
+        return _store_failure(args, e)
+    print(json.dumps({"ok": True, "job": args.job, "deleted": gone}, indent=2) if args.json else
+          f"snapguard prune: {len(gone)} image(s) of {args.job} deleted" + (f": {', '.join(gone)}" if gone else ""))
+    return 0
+
+
 def _progress(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .store import terminal_progress
 
@@ -649,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"preflight": _cmd_preflight, "reasons": _cmd_reasons,
                 "checkpoint": _cmd_checkpoint, "restore": _cmd_restore, "plan": _cmd_plan,
-                "install": _cmd_install, "metrics": _cmd_metrics, "push": _cmd_push, "pull": _cmd_pull}
+                "install": _cmd_install, "metrics": _cmd_metrics, "push": _cmd_push, "pull": _cmd_pull,
+                "prune": _cmd_prune}
     if args.command in ("agent", "notice", "protect"):
         from . import notice
 

@@ -14,8 +14,9 @@ What it changes, each file written whole (a temporary file renamed over it), roo
   snapguard.trust); keys the file already sets are kept, except `runc` where containerd's default
   runtime is NVIDIA's (`nvidia-container-runtime`): snapguard-runc then runs that, so GPU containers
   keep their devices (it forwards every verb but `create` to runc).
-- snapguard-runc's C launcher (c_helpers/runc_launcher.c), where its source is installed (a source
-  or editable install; the wheel does not carry it): compiled with the pinned C compiler
+- snapguard-runc's C launcher (c_helpers/runc_launcher.c), where its source is installed (c_helpers/
+  in a source or editable install, snapguard/_c_helpers/ in the wheel and the Debian package; --launcher
+  requires it, --no-launcher leaves it out): compiled with the pinned C compiler
   (/usr/bin/cc) into `snapguard-runc-launcher` beside the Python snapguard-runc, root's, 0755, and
   the drop-in's `BinaryName`; it execs runc for every verb but checkpoint and restore without
   starting Python, and the Python snapguard-runc for those two. Beside the config, its pinned file
@@ -510,7 +511,8 @@ def _snapguard_runc(opts: Options) -> str:
 
 
 def launcher_source_dir() -> str | None:
-    """Where the launcher's C source is: c_helpers/ beside the package (a source or editable install)."""
+    """Where the launcher's C source is: snapguard/_c_helpers/ (a built package: setup.py copies it
+    there), or c_helpers/ beside the package (a source or editable install)."""
     here = os.path.dirname(os.path.abspath(__file__))
     for directory in (os.path.join(here, "_c_helpers"), os.path.join(os.path.dirname(here), "c_helpers")):
         if all(os.path.isfile(os.path.join(directory, name)) for name in LAUNCHER_SOURCES):
@@ -544,7 +546,8 @@ def build_launcher(config_path: str, *, cc: str = DEFAULT_CC, route_test: bool =
         if e.unusable:
             raise CompilerMissingError(Reason.USAGE_ERROR,
                                        f"no C compiler at {cc} ({e.why}) to build snapguard-runc's launcher: "
-                                       "install gcc (apt-get install gcc libc6-dev)") from None
+                                       "install gcc (apt-get install gcc libc6-dev), or pass --no-launcher "
+                                       "(containerd then runs the Python snapguard-runc)") from None
         raise _fail(f"C compiler {e}", Reason.UNTRUSTED_PATH) from None
     work = tempfile.mkdtemp(prefix="snapguard-launcher-")
     try:
@@ -778,7 +781,9 @@ def plan_install(opts: Options) -> Plan:
 def _launcher_wanted(opts: Options) -> bool:
     if opts.launcher is not None:
         return opts.launcher
-    return opts.snapguard_runc is None and launcher_source_dir() is not None
+    # by default, where it can be built: no compiler is a note and the Python entry, not a failure
+    # (--launcher demands it, and says what is missing)
+    return opts.snapguard_runc is None and launcher_source_dir() is not None and os.path.exists(opts.cc or DEFAULT_CC)
 
 
 def _plan_launcher(opts: Options, snapguard_runc: str, records: dict[str, Any], plan: Plan) -> Change | None:
@@ -787,8 +792,10 @@ def _plan_launcher(opts: Options, snapguard_runc: str, records: dict[str, Any], 
     config_path = os.path.normpath(opts.snapguard_config)
     if not _launcher_wanted(opts):
         if opts.launcher is None and opts.snapguard_runc is None:
-            plan.notes.append("snapguard-runc's C launcher is not built: its source is not installed with snapguard, "
-                              "so containerd runs the Python snapguard-runc for every verb")
+            why = ("its source is not installed with snapguard" if launcher_source_dir() is None else
+                   f"there is no C compiler at {opts.cc or DEFAULT_CC} (install gcc, or pass --cc)")
+            plan.notes.append(f"snapguard-runc's C launcher is not built: {why}, so containerd runs the Python "
+                              "snapguard-runc for every verb")
         for path, rec in list(records.items()):
             if rec.get("kind") in ("launcher", "launcher-pin"):
                 current = _read_trusted(path, "file")

@@ -1,8 +1,9 @@
 """The Debian package for node images (packaging/build-deb.sh, dh-virtualenv): it builds, installs
 with dpkg on this machine, runs from its own venv (/opt/snapguard/venv: `snapguard --version`, the
-node preflight as Prometheus textfile metrics, `snapguard install` naming its snapguard-runc), and
-`dpkg --purge` leaves nothing behind, what `snapguard install` wrote included (the package's prerm
-reverses it). It touches none of the test suite's own files: the package's paths are its own."""
+node preflight as Prometheus textfile metrics, `snapguard install` building the pass-through launcher
+from the sources the package carries and naming it, where a compiler exists, else naming its
+snapguard-runc), and `dpkg --purge` leaves nothing behind, what `snapguard install` wrote included
+(the launcher too: the package's prerm reverses it). It touches none of the test suite's own files: the package's paths are its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ PACKAGE_DIRS = ["/opt/snapguard/venv", "/etc/snapguard", "/var/lib/snapguard"]
 ENABLED = ["/etc/systemd/system/multi-user.target.wants/snapguard-preflight.service",
            "/var/lib/systemd/deb-systemd-helper-enabled/snapguard-preflight.service.dsh-also",
            "/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/snapguard-preflight.service"]
+
+
+LAUNCHER = "/opt/snapguard/venv/bin/snapguard-runc-launcher"
+
+
+def _compiler() -> bool:
+    """The pinned C compiler `snapguard install` builds the launcher with is here."""
+    from snapguard.install import DEFAULT_CC
+    from snapguard.trust import UntrustedPathError
+
+    try:
+        resolve_trusted(DEFAULT_CC, "exec")
+        return True
+    except UntrustedPathError:
+        return False
 
 
 def _installed() -> str:
@@ -52,7 +68,8 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
             "/etc/snapguard/config.toml", "/lib/systemd/system/snapguard-preflight.service"} <= set(paths)
     site = next(p for p in paths if p.endswith("/site-packages"))
     assert {f"{site}/snapguard/hooks/site/sitecustomize.py", f"{site}/snapguard/_procscan.abi3.so",
-            f"{site}/prometheus_client/__init__.py"} <= set(paths)
+            f"{site}/prometheus_client/__init__.py", f"{site}/snapguard/_c_helpers/runc_launcher.c",
+            f"{site}/snapguard/_c_helpers/runc_argv_table.h"} <= set(paths)
     assert not any("distutils-precedence.pth" in p for p in paths)  # nothing runs at every start
     existed = {p for p in paths if os.path.lexists(p)}
 
@@ -90,15 +107,27 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
         unit = Path("/lib/systemd/system/snapguard-preflight.service").read_text()
         assert "ExecStart=/opt/snapguard/venv/bin/snapguard metrics" in unit and "Type=oneshot" in unit
 
-        # `snapguard install` from the package names the package's snapguard-runc; the state file
-        # is the default one, which the package's prerm reads
+        # `snapguard install` from the package builds the launcher from the package's sources (with
+        # the pinned compiler, where there is one) beside the package's snapguard-runc and names it,
+        # else (--no-launcher) names the package's snapguard-runc; the state file is the default
+        # one, which the package's prerm reads
         conf = tmp_path / "snapguard.toml"
-        ins = _run("/usr/bin/snapguard", "install", "--containerd-config", str(main), "--config", str(conf), "--json")
+        compiler = _compiler()
+        ins = _run("/usr/bin/snapguard", "install", "--containerd-config", str(main), "--config", str(conf), "--json",
+                   *([] if compiler else ["--no-launcher"]))
         assert ins.returncode == 0, ins.stderr
-        assert json.loads(ins.stdout)["facts"]["binary_name"] == "/opt/snapguard/venv/bin/snapguard-runc"
+        expected = LAUNCHER if compiler else "/opt/snapguard/venv/bin/snapguard-runc"
+        assert json.loads(ins.stdout)["facts"]["binary_name"] == expected
         dropin = tomllib.loads((etc / "containerd" / "conf.d" / "99-snapguard.toml").read_text())
         runtime = dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]
-        assert runtime["options"]["BinaryName"] == "/opt/snapguard/venv/bin/snapguard-runc"
+        assert runtime["options"]["BinaryName"] == expected
+        if compiler:
+            st = os.stat(LAUNCHER)
+            assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o755, 0, 0)
+            assert (tmp_path / "runc-launcher.pin").is_file()
+            # runc's own --version, through the launcher, without Python
+            ver = _run(LAUNCHER, "--version", env={"PATH": "/nonexistent"})
+            assert ver.returncode == 0 and "runc version" in ver.stdout, ver.stdout + ver.stderr
         assert os.path.exists("/var/lib/snapguard/install.json")
     finally:
         purge = _run("dpkg", "--purge", "snapguard")
@@ -115,3 +144,4 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
     # the prerm reversed what `snapguard install` wrote
     assert {p: p.read_bytes() for p in etc.rglob("*") if p.is_file()} == before
     assert not (etc / "containerd" / "conf.d").exists() and not conf.exists()
+    assert not os.path.lexists(LAUNCHER) and not (tmp_path / "runc-launcher.pin").exists()

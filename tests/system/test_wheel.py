@@ -1,6 +1,8 @@
 """The wheel built from the repository (not editable) is the product: it carries everything snapguard
 needs at run time (the take point's sitecustomize, the manifest schema, py.typed, the C helper built
-for the stable ABI and tagged abi3), and a fresh venv installed from it runs the take-point flow of
+for the stable ABI and tagged abi3, the pass-through launcher's C sources for `snapguard install`),
+`snapguard install` from a fresh venv installed from it builds the launcher and makes it containerd's
+BinaryName where a compiler exists, and that venv runs the take-point flow of
 test_container_take.py: a PyTorch job in a runc container, its hook and snapguard imported from that
 install alone, held at a step boundary by that install's snapguard-runc, checkpointed, restored and
 continuing bit for bit."""
@@ -14,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -26,6 +29,10 @@ STEPS = 80
 RUNTIME_FILES = ["snapguard/hooks/site/sitecustomize.py", "snapguard/manifest.schema.json", "snapguard/py.typed",
                  "snapguard/_procscan.abi3.so", "snapguard/hooks/_workload.py", "snapguard/install.py",
                  "snapguard/metrics.py", "snapguard/shim/entry.py"]
+# the pass-through launcher's sources (c_helpers/), which `snapguard install` compiles on the node;
+# setup.py's build_py copies them there (the source tree has no snapguard/_c_helpers)
+LAUNCHER_FILES = {"snapguard/_c_helpers/runc_launcher.c": "c_helpers/runc_launcher.c",
+                  "snapguard/_c_helpers/runc_argv_table.h": "c_helpers/runc_argv_table.h"}
 
 
 SOURCES = ["pyproject.toml", "setup.py", "README.md", "snapguard", "c_helpers"]
@@ -84,7 +91,11 @@ def test_wheel_is_abi3_and_carries_the_runtime_files(wheel: Path) -> None:
         entry_points = zf.read("snapguard-0.1.0.dist-info/entry_points.txt").decode()
         so = zf.read("snapguard/_procscan.abi3.so")
     assert tags == ["cp311-abi3-linux_x86_64"]
-    assert [f for f in RUNTIME_FILES if f not in names] == []
+    assert [f for f in [*RUNTIME_FILES, *LAUNCHER_FILES] if f not in names] == []
+    with zipfile.ZipFile(wheel) as zf:
+        for name, source in LAUNCHER_FILES.items():
+            assert zf.read(name) == (REPO / source).read_bytes(), name
+    assert not (REPO / "snapguard" / "_c_helpers").exists()
     # every module of the product, in every package (a package left out of the list broke the install)
     modules = {str(p.relative_to(REPO)) for p in (REPO / "snapguard").rglob("*.py") if "__pycache__" not in p.parts}
     assert sorted(modules - names) == []
@@ -120,6 +131,73 @@ def test_fresh_install_runs_from_itself(fresh: Path) -> None:
     reasons = subprocess.run([str(fresh / "bin" / "snapguard"), "reasons", "--json"], capture_output=True, text=True,
                              timeout=60)
     assert any(r["reason"] == "TAKE_POINT_TIMEOUT" for r in json.loads(reasons.stdout))
+
+
+def _compiler() -> bool:
+    from snapguard.install import DEFAULT_CC
+    from snapguard.trust import UntrustedPathError, resolve_trusted
+
+    try:
+        resolve_trusted(DEFAULT_CC, "exec")
+        return True
+    except UntrustedPathError:
+        return False
+
+
+def test_snapguard_install_from_the_wheel_builds_the_launcher(fresh: Path, tmp_path: Path) -> None:
+    """The wheel's `snapguard install` finds the launcher's sources in its own site-packages (not the
+    repository's c_helpers/) and, where the pinned compiler exists, compiles the launcher beside the
+    install's snapguard-runc and makes it the drop-in's BinaryName; --no-launcher takes it out."""
+    if os.geteuid() != 0:
+        pytest.fail("snapguard install writes root's files (CI and the README's test command run as root)")
+    found = subprocess.run([str(fresh / "bin" / "python"), "-c",
+                            "from snapguard import install; print(install.launcher_source_dir())"],
+                           capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert found.stdout.strip() == str(_site(fresh) / "snapguard" / "_c_helpers"), found.stderr
+    main = tmp_path / "etc" / "containerd" / "config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text('version = 2\n\n[plugins."io.containerd.grpc.v1.cri".cni]\n  conf_dir = "/etc/cni/net.d"\n')
+    conf = tmp_path / "etc" / "snapguard" / "config.toml"
+    args = [str(fresh / "bin" / "snapguard"), "install", "--containerd-config", str(main), "--config", str(conf),
+            "--state-file", str(tmp_path / "var" / "install.json")]
+    dropin = main.parent / "conf.d" / "99-snapguard.toml"
+    launcher = fresh / "bin" / "snapguard-runc-launcher"
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+
+    def binary_name() -> str:
+        data = tomllib.loads(dropin.read_text())
+        return data["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]["options"][
+            "BinaryName"]
+
+    if _compiler():
+        out = run("--json")
+        assert out.returncode == 0, out.stderr
+        facts = json.loads(out.stdout)["facts"]
+        assert facts["binary_name"] == facts["launcher"] == str(launcher) == binary_name()
+        st = os.stat(launcher)
+        assert (st.st_mode & 0o7777, st.st_uid) == (0o755, 0)
+        assert (conf.parent / "runc-launcher.pin").is_file()
+        # a pass-through verb goes to the config's runc without Python: `--version` is runc's own
+        ver = subprocess.run([str(launcher), "--version"], capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/nonexistent", "SNAPGUARD_CONFIG": str(conf)})
+        assert ver.returncode == 0 and "runc version" in ver.stdout, ver.stdout + ver.stderr
+    else:  # the default is the launcher where it can be built: without a compiler, a note and Python
+        out = run("--json")
+        assert out.returncode == 0, out.stderr
+        assert binary_name() == str(fresh / "bin" / "snapguard-runc") and not launcher.exists()
+        assert any("no C compiler at" in n for n in json.loads(out.stdout)["notes"]), out.stdout
+        demanded = run("--launcher")
+        assert demanded.returncode == 2 and "no C compiler at" in demanded.stderr, demanded.stderr
+    dropped = run("--no-launcher")
+    assert dropped.returncode == 0, dropped.stderr
+    assert not launcher.exists() and not (conf.parent / "runc-launcher.pin").exists()
+    assert binary_name() == str(fresh / "bin" / "snapguard-runc")
+    undo = run("--uninstall")
+    assert undo.returncode == 0, undo.stderr
+    assert not dropin.exists() and not conf.exists()
 
 
 @pytest.fixture(scope="module")

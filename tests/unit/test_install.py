@@ -407,6 +407,100 @@ def test_dropping_the_launcher_removes_it(node: Node) -> None:
     assert runtime["options"]["BinaryName"] == os.path.realpath(SNAPGUARD_RUNC)
 
 
+# --- the CLI's launcher flags ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"launcher": None, "launcher_path": None, "cc": install.DEFAULT_CC}),
+    (["--launcher"], {"launcher": True, "launcher_path": None, "cc": install.DEFAULT_CC}),
+    (["--no-launcher"], {"launcher": False, "launcher_path": None, "cc": install.DEFAULT_CC}),
+    (["--launcher", "--launcher-path", "/opt/x/runc-launcher", "--cc", "/usr/bin/gcc-12"],
+     {"launcher": True, "launcher_path": "/opt/x/runc-launcher", "cc": "/usr/bin/gcc-12"}),
+    (["--launcher-path", "/opt/x/l", "--cc", "/usr/local/bin/cc"],
+     {"launcher": None, "launcher_path": "/opt/x/l", "cc": "/usr/local/bin/cc"}),
+])
+def test_cli_launcher_flags_map_onto_options(node: Node, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str], flags: list[str],
+                                             expected: dict[str, object]) -> None:
+    from snapguard import cli
+
+    seen: list[install.Options] = []
+
+    def plan_install(opts: install.Options) -> install.Plan:
+        seen.append(opts)
+        return install.Plan("install", state_file=opts.state_file)
+
+    monkeypatch.setattr(install, "plan_install", plan_install)
+    monkeypatch.setattr(install, "apply", lambda plan: pytest.fail("--dry-run applied the plan"))
+    assert cli.main(["install", "--dry-run", "--json", "--containerd-config", str(node.main), *flags]) == 0
+    (opts,) = seen
+    assert {k: getattr(opts, k) for k in expected} == expected
+    assert json.loads(capsys.readouterr().out)["operation"] == "install"
+
+
+@pytest.mark.parametrize("flags", [["--launcher", "--no-launcher"], ["--no-launcher", "--launcher"]])
+def test_cli_launcher_and_no_launcher_exclude_each_other(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from snapguard import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["install", "--dry-run", *flags])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_cli_launcher_path_with_no_launcher_is_a_usage_error(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    from snapguard import cli
+
+    before = node.snapshot()
+    assert cli.main(["install", "--no-launcher", "--launcher-path", str(node.tmp / "l"),
+                     "--containerd-config", str(node.main), "--config", str(node.config),
+                     "--state-file", str(node.state), "--containerd", str(node.containerd)]) == cli.EXIT_USAGE
+    assert "USAGE_ERROR" in capsys.readouterr().err and node.snapshot() == before
+
+
+def test_cli_help_explains_the_launcher_flags() -> None:
+    out = subprocess.run([SNAPGUARD, "install", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for flag in ("--launcher ", "--no-launcher", "--launcher-path PATH", "--cc PATH"):
+        assert flag in text, flag
+    assert f"default {install.DEFAULT_CC}" in text and install.LAUNCHER_NAME in text
+
+
+def test_cli_launcher_flags_build_install_and_drop_it(node: Node) -> None:
+    """The flags through the installed `snapguard` command: --launcher with a path and the pinned
+    compiler builds it there and makes it BinaryName; --no-launcher takes it out again; a compiler
+    that is not there fails the run, with nothing written."""
+    node.main.parent.mkdir(parents=True)
+    node.main.write_text(DEBIAN_12_CONFIG)
+    node.runc.write_text("#!/bin/sh\necho \"fake runc $*\"\n")
+    launcher = node.tmp / "libexec" / "runc-launcher"
+    args = ["--containerd-config", str(node.main), "--config", str(node.config), "--state-file", str(node.state),
+            "--containerd", str(node.containerd)]
+
+    def binary_name() -> str:
+        return _toml(node.dropin)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"][
+            "options"]["BinaryName"]
+
+    before = node.snapshot()
+    missing = subprocess.run([SNAPGUARD, "install", *args, "--launcher", "--launcher-path", str(launcher),
+                              "--cc", str(node.tmp / "no-cc")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no C compiler at" in missing.stderr, missing.stderr
+    assert node.snapshot() == before
+
+    out = subprocess.run([SNAPGUARD, "install", *args, "--launcher", "--launcher-path", str(launcher),
+                          "--cc", install.DEFAULT_CC, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["facts"]["binary_name"] == str(launcher) == binary_name()
+    st = os.stat(launcher)
+    assert (st.st_mode & 0o7777, st.st_uid) == (0o755, 0)
+    assert (node.config.parent / "runc-launcher.pin").exists()
+
+    dropped = subprocess.run([SNAPGUARD, "install", *args, "--no-launcher"], capture_output=True, text=True,
+                             timeout=120)
+    assert dropped.returncode == 0, dropped.stderr
+    assert not launcher.exists() and not (node.config.parent / "runc-launcher.pin").exists()
+    assert binary_name() == os.path.realpath(SNAPGUARD_RUNC)
+
+
 @pytest.mark.parametrize("text", [
     "version = 2\n",
     "# c\nversion = 2\nroot = '/r'\n[grpc]\n  address = 'x'\n",
