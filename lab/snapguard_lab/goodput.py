@@ -7,8 +7,8 @@ uniformly from 30-120 s before the machine is taken) and unannounced kills (ever
 average), over a 1500 s window, with files every 60 s; all of it divided by `compress` (the CPU
 test runs a short window). Seeded: one seed gives one schedule, the same for every arm.
 
-The arms, each a fresh run of the torch workload's trainer (`workloads/torch/train.py`, unchanged,
-driven by the small shim below that adds periodic and on-demand file checkpoints):
+The arms, each a fresh run of the torch workload's trainer (`workloads/torch/train.py`, its own
+periodic and on-demand file checkpoints: --save-dir, --save-every, SIGUSR1 for an urgent file):
   A  files every `file_every` s plus an urgent file on notice; the process trains on until the
      machine is taken at the end of the lead, then a replacement starts cold from the newest file.
   B  A plus the snapshot on notice: after the urgent file, `snapguard notice` to the arm's agent,
@@ -63,52 +63,10 @@ __all__ = ["ARMS", "REFERENCE_SHAPE", "ArmSpec", "Event", "Shape", "make_schedul
 ENDLESS_STEPS = 10**9
 KEEP_FILES = 2
 
-# Periodic and on-demand file checkpoints around the unchanged train.py: its `batch(step, ...)` is
-# called at the top of every step, after step-1 is logged, so a checkpoint taken there holds
-# exactly step-1 (train.py's own --save-at writes the same file at the same point). SIGUSR1 asks
-# for an urgent one. The model, optimizer and log are main()'s locals, read from its frame. A line
+# The trainer's file checkpoints (train.py --save-dir): files every `file_every` s and an urgent one
+# on SIGUSR1, each after a step and holding it, logged as
 #   saved <step> <stall s> <start time> <periodic|urgent>
-# goes to the step log (the drill's parsers skip it). Each new file removes all but the newest
-# KEEP files. argv: train.py, every_s (0: none), dir, keep, reset-on-urgent (1/0), train.py's args.
-SHIM = r'''
-import signal, sys
-_urgent = []
-signal.signal(signal.SIGUSR1, lambda *_: _urgent.append(1))
-import importlib.util, os, time
-def _shim():
-    train, every, ckdir, keep, reset = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-    sys.argv = [train, *sys.argv[6:]]
-    spec = importlib.util.spec_from_file_location("train", train)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    orig = mod.batch
-    st = {"started": False, "due": None}
-    def batch(step, size, device):
-        now = time.time()
-        if not st["started"]:
-            st["started"] = True
-            del _urgent[:]
-            st["due"] = now + every if every > 0 else None
-        elif _urgent or (st["due"] is not None and now >= st["due"]):
-            kind = "urgent" if _urgent else "periodic"
-            del _urgent[:]
-            f = sys._getframe(1).f_locals
-            path = os.path.join(ckdir, "ckpt-%09d.pt" % (step - 1))
-            stall = mod.save_file_checkpoint(path, step - 1, f["model"], f["opt"], f["device"])
-            f["log"].write("saved %d %.6f %.6f %s\n" % (step - 1, stall, now, kind))
-            if st["due"] is not None and (kind == "periodic" or reset):
-                st["due"] = time.time() + every
-            old = sorted(n for n in os.listdir(ckdir) if n.startswith("ckpt-") and n.endswith(".pt"))
-            for n in old[:-keep]:
-                try:
-                    os.unlink(os.path.join(ckdir, n))
-                except FileNotFoundError:
-                    pass
-        return orig(step, size, device)
-    mod.batch = batch
-    mod.main()
-_shim()
-'''
+# (the drill's step parser skips it), each new file removing all but the newest KEEP_FILES.
 
 
 # --- the schedule ----------------------------------------------------------------------------
@@ -202,7 +160,7 @@ def _rows(log: Path) -> list[tuple[int, str, float]]:
 
 
 def _saves(log: Path) -> list[tuple[int, float, float, str]]:
-    """(step, stall s, start time, kind) per file checkpoint the shim wrote."""
+    """(step, stall s, start time, kind) per file checkpoint train.py --save-dir wrote."""
     out = []
     try:
         text = log.read_text()
@@ -306,9 +264,12 @@ class Run:
         out = open(self.dir / "trainer.out", "ab")  # O_APPEND: restorable after growth
         self.launches += 1
         popen = subprocess.Popen(
-            [sys.executable, "-c", SHIM, str(TRAIN), str(self.file_every), str(self.ckdir), str(KEEP_FILES),
-             "1" if self.reset_on_urgent else "0", "--steps", str(ENDLESS_STEPS), "--log", str(self.log),
+            [sys.executable, str(TRAIN), "--steps", str(ENDLESS_STEPS), "--log", str(self.log),
              "--result", str(self.dir / f"result-{self.launches}.json"), *self.trainer_args,
+             "--save-dir", str(self.ckdir), "--keep", str(KEEP_FILES),
+             # A's period runs on past its urgent files; B's and C's restart at each
+             *(["--save-every", repr(self.file_every)] if self.file_every > 0 else []),
+             *(["--urgent-keeps-period"] if self.file_every > 0 and not self.reset_on_urgent else []),
              *(["--resume", resume] if resume else [])],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True)
         out.close()

@@ -6,6 +6,14 @@ to --log (opened O_APPEND, which CRIU does not size-check at restore):
 and at the end SHA-256 digests of parameters, optimizer state and RNG state to --result. Data is
 generated in-process from the step number, so a run depends on nothing but its seed.
 --save-at/--save-path and --resume give the file-checkpoint baseline (torch.save + fsync + rename).
+--save-dir DIR: file checkpoints of the same content (so --resume of one is bit-identical) into
+DIR/ckpt-<step, 9 digits>.pt (tmp + fsync + rename + directory fsync), keeping the newest --keep N
+(default 3; the file just written always stays), each logged as
+    saved <step> <seconds the save held training> <unix time it began> <periodic|urgent>
+after the step it holds: every --save-every SECONDS of wall time since the end of the last save
+(0: none; --urgent-keeps-period counts only from periodic saves), and an urgent one after the step
+during which SIGUSR1 arrived (the handler only sets a flag; with --save-dir, SIGUSR1 is always
+caught from argument parsing on). The period starts as the first step of each run starts.
 --dcp-at/--dcp-path: the other file-checkpoint peer, torch.distributed.checkpoint.async_save into a
 directory after that step (no process group: one process); it logs `dcp-staged <step> <seconds the
 call held training> <unix time>` when training goes on, then `dcp-done <step> <seconds from the call
@@ -20,6 +28,7 @@ import io
 import json
 import math
 import os
+import signal
 import struct
 import time
 
@@ -105,6 +114,28 @@ def save_file_checkpoint(path: str, step: int, model: nn.Module, opt: torch.opti
     return time.perf_counter() - t0
 
 
+def save_dir_checkpoint(ckdir: str, keep: int, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+                        device: str) -> float:
+    """save_file_checkpoint into ckdir, the directory fsynced after the rename, then all but the newest
+    `keep` files (by step; never the one just written) removed; the seconds it all took."""
+    t0 = time.perf_counter()
+    name = f"ckpt-{step:09d}.pt"
+    save_file_checkpoint(os.path.join(ckdir, name), step, model, opt, device)
+    fd = os.open(ckdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    files = sorted((int(n[5:-3]), n) for n in os.listdir(ckdir)
+                   if n.startswith("ckpt-") and n.endswith(".pt") and n[5:-3].isdigit() and n != name)
+    for _, old in files[:max(len(files) - (max(keep, 1) - 1), 0)]:
+        try:
+            os.unlink(os.path.join(ckdir, old))
+        except FileNotFoundError:
+            pass
+    return time.perf_counter() - t0
+
+
 def dcp_async_save(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[object, float, list[float]]:
     """Start a DCP async save; (its future, seconds the call held training, [completion time] once done)."""
     import torch.distributed as dist
@@ -143,10 +174,20 @@ def main() -> None:
     ap.add_argument("--resume", help="continue from a file checkpoint")
     ap.add_argument("--dcp-at", type=int, default=0, help="start a DCP async_save after this step")
     ap.add_argument("--dcp-path", help="the DCP checkpoint directory")
+    ap.add_argument("--save-dir", help="periodic (--save-every) and urgent (SIGUSR1) file checkpoints go here")
+    ap.add_argument("--save-every", type=float, default=0.0,
+                    help="with --save-dir: a file checkpoint after the step that ends SECONDS after the last one")
+    ap.add_argument("--keep", type=int, default=3, help="with --save-dir: keep the newest N files (default 3)")
+    ap.add_argument("--urgent-keeps-period", action="store_true",
+                    help="an urgent save does not restart the --save-every period")
     ap.add_argument("--stderr", help="append stderr to this file (in a container whose stdio is /dev/null)")
     args = ap.parse_args()
     if args.stderr:
         os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
+    asked = [0]  # SIGUSR1s so far; a save after the step when it moved
+    if args.save_dir:
+        os.makedirs(args.save_dir, mode=0o700, exist_ok=True)
+        signal.signal(signal.SIGUSR1, lambda *_: asked.__setitem__(0, asked[0] + 1))
     t_start = time.time()
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True)
@@ -168,6 +209,8 @@ def main() -> None:
     log.write(f"start {os.getpid()} {t_start:.6f} {time.time():.6f} "
               f"{sum(p.numel() for p in model.parameters())}\n")
     dcp_pending = None
+    due = time.time() + args.save_every if args.save_dir and args.save_every > 0 else math.inf
+    answered = 0
     for step in range(first, args.steps + 1):
         x, y = batch(step, args.batch, device)
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -180,6 +223,15 @@ def main() -> None:
         log.write(f"step {step} {bits} {time.time():.6f} {reserved}\n")
         if step == args.save_at and args.save_path:
             log.write(f"saved {step} {save_file_checkpoint(args.save_path, step, model, opt, device):.6f}\n")
+        if args.save_dir:
+            now, n = time.time(), asked[0]
+            if n != answered or now >= due:
+                kind = "urgent" if n != answered else "periodic"
+                answered = n  # one arriving during the save asks for another
+                stall = save_dir_checkpoint(args.save_dir, args.keep, step, model, opt, device)
+                log.write(f"saved {step} {stall:.6f} {now:.6f} {kind}\n")
+                if due != math.inf and (kind == "periodic" or not args.urgent_keeps_period):
+                    due = time.time() + args.save_every
         if dcp_pending is not None and dcp_pending[0].done():
             dcp_report(log, dcp_pending)
             dcp_pending = None
