@@ -31,7 +31,8 @@ from . import __version__, trust
 from .names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
 from .reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "compare_with_host", "seal", "validate_manifest", "verify"]
+__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "Inspected", "compare_with_host", "inspect", "seal",
+           "validate_manifest", "verify"]
 
 SCHEMA = "snapguard.manifest/1"
 SCHEMA_FILE = "manifest.schema.json"  # in this package: the JSON Schema of a SCHEMA manifest
@@ -544,6 +545,59 @@ def _check_unlisted(dir_fd: int, image_dir: str, files: dict[str, Any]) -> None:
             raise SnapguardError(Reason.UNTRUSTED_PATH, f"{_show(name)} in the image {why}", evidence=evidence)
 
 
+class Inspected:
+    """An image whose marker, manifest, file types, owners and sizes were checked, its digests not
+    yet (`check_digests`): a restore of a workload held at its take point hashes the image while
+    CRIU reads it and ends the restored copy before releasing it when a digest differs."""
+
+    def __init__(self, image_dir: str, manifest: dict[str, Any], pending: dict[str, tuple[int, tuple[int, int]]],
+                 known: dict[str, str]) -> None:
+        self.image_dir, self.manifest, self.pending, self.known = image_dir, manifest, pending, known
+
+    def check_digests(self) -> None:
+        """IMAGE_CORRUPT unless every file not yet verified has its manifest digest and is still
+        the inode that was checked."""
+        files: dict[str, dict[str, Any]] = self.manifest["files"]
+        if not self.pending:
+            return
+        dir_fd, _ = _open_image_dir(self.image_dir)
+        try:
+            digests = _hash_all(dir_fd, self.pending)
+        except _Changed as e:
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(e.name)} was replaced while it was "
+                                 "being verified", evidence={"image": self.image_dir,
+                                                             "path": os.path.join(self.image_dir, e.name)}) from None
+        except OSError as e:
+            name = e.filename if isinstance(e.filename, str) else "?"
+            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} cannot be read: {e.strerror}",
+                                 evidence={"image": self.image_dir,
+                                           "path": os.path.join(self.image_dir, name)}) from None
+        finally:
+            os.close(dir_fd)
+        for name, digest in digests.items():
+            if digest != files[name]["sha256"]:
+                raise SnapguardError(Reason.IMAGE_CORRUPT,
+                                     f"image file {_show(name)} has sha256 {digest[:16]}..., manifest says "
+                                     f"{files[name]['sha256'][:16]}...",
+                                     evidence={"image": self.image_dir, "path": os.path.join(self.image_dir, name),
+                                               "expected": files[name]["sha256"], "actual": digest})
+
+
+def inspect(image_dir: str, verified: dict[str, tuple[str, tuple[int, int]]] | None = None) -> Inspected:
+    """Every check of `verify` but the digests of files not in `verified` (see verify)."""
+    dir_fd, _ = _open_image_dir(image_dir)
+    try:
+        manifest = _read_manifest(dir_fd, image_dir)
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        checked = _check_files(dir_fd, image_dir, files)
+        _check_unlisted(dir_fd, image_dir, files)
+    finally:
+        os.close(dir_fd)
+    known = {name: digest for name, (digest, ident) in (verified or {}).items()
+             if name in checked and checked[name][1] == ident and digest == files[name]["sha256"]}
+    return Inspected(image_dir, manifest, {n: v for n, v in checked.items() if n not in known}, known)
+
+
 def verify(image_dir: str, verified: dict[str, tuple[str, tuple[int, int]]] | None = None) -> dict[str, Any]:
     """Refuse an untrusted, incomplete, corrupt or invalid image; return its validated manifest.
 
@@ -551,34 +605,10 @@ def verify(image_dir: str, verified: dict[str, tuple[str, tuple[int, int]]] | No
     file into a directory it made root-only (a store's pull checks every span as it arrives). Such a
     file, while it is the same inode and its digest is the manifest's, is not read a second time;
     its type, owner, size, the unlisted files and the manifest against the marker still are."""
-    dir_fd, _ = _open_image_dir(image_dir)
-    try:
-        manifest = _read_manifest(dir_fd, image_dir)
-        files: dict[str, dict[str, Any]] = manifest["files"]
-        checked = _check_files(dir_fd, image_dir, files)
-        _check_unlisted(dir_fd, image_dir, files)
-        known = {name: digest for name, (digest, ident) in (verified or {}).items()
-                 if name in checked and checked[name][1] == ident and digest == files[name]["sha256"]}
-        try:
-            digests = {**known, **_hash_all(dir_fd, {n: v for n, v in checked.items() if n not in known})}
-        except _Changed as e:
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(e.name)} was replaced while it was "
-                                 "being verified", evidence={"image": image_dir,
-                                                             "path": os.path.join(image_dir, e.name)}) from None
-        except OSError as e:
-            name = e.filename if isinstance(e.filename, str) else "?"
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {_show(name)} cannot be read: {e.strerror}",
-                                 evidence={"image": image_dir, "path": os.path.join(image_dir, name)}) from None
-    finally:
-        os.close(dir_fd)
-    for name, digest in digests.items():
-        if digest != files[name]["sha256"]:
-            raise SnapguardError(Reason.IMAGE_CORRUPT,
-                                 f"image file {_show(name)} has sha256 {digest[:16]}..., manifest says "
-                                 f"{files[name]['sha256'][:16]}...",
-                                 evidence={"image": image_dir, "path": os.path.join(image_dir, name),
-                                           "expected": files[name]["sha256"], "actual": digest})
-    return manifest
+    found = inspect(image_dir, verified)
+    found.check_digests()
+    return found.manifest
+
 
 def compare_with_host(manifest: dict[str, Any], host: dict[str, Any], criu_version: str) -> list[Finding]:
     """What stops this image from running here (blockers) and what differs (warnings)."""

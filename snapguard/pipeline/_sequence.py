@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,6 +216,45 @@ def _seal(req: Request, runner: Runner, report: preflight.Report, inv: procfs.In
     })
 
 
+def _held(manifest: dict[str, Any]) -> bool:
+    """Every process of the image the take point knew was held at a step boundary when it was
+    dumped: restored, it waits there until released."""
+    points = manifest.get("take_point") or {}
+    return bool(points) and all(isinstance(f, dict) and f.get("ok") for f in points.values())
+
+
+class _Digests:
+    """The image's checksums: checked before CRIU, or, for a held workload, in a thread while
+    CRIU restores it, the result awaited before anything releases the restored workload."""
+
+    def __init__(self, inspected: image.Inspected, held: bool) -> None:
+        self.inspected, self.held = inspected, held
+        self._error: SnapguardError | None = None
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> None:
+        self.inspected.check_digests()
+
+    def start(self) -> None:
+        if self.held:
+            self._thread = threading.Thread(target=self._run, name="verify", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.inspected.check_digests()
+        except SnapguardError as e:
+            self._error = e
+        except OSError as e:
+            self._error = SnapguardError(Reason.IMAGE_CORRUPT, f"verify: {e.strerror or e}",
+                                         evidence={"image": self.inspected.image_dir})
+
+    def result(self) -> SnapguardError | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self._error
+
+
 def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
     """Pids of the image in use here. The processes a stop snapshot killed may still be zombies
     waiting for their new parent to reap them: those are given a few seconds to go."""
@@ -321,12 +361,17 @@ def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
     with steps.step("preflight", Reason.PREFLIGHT_FAILED, image=req.image_dir):
         report = preflight.manifest_report(req.image_dir, config, criu=config.criu, exact=True,
                                            verified={name: (digest, (dev, ino))
-                                                     for name, digest, dev, ino in req.verified_digests})
+                                                     for name, digest, dev, ino in req.verified_digests},
+                                           defer_digests=True)
         manifest = report.facts.get("manifest")
+        digests = _Digests(report.facts["inspected"], held=_held(manifest)) if manifest is not None else None
+        if digests is not None and not digests.held:
+            with steps.step("verify", Reason.IMAGE_CORRUPT, image=req.image_dir):
+                digests.check()  # nothing would hold the restored tree: the whole image first, as always
         if manifest is not None and runner.uses_host_pids:
             report.run("pid-conflicts", lambda: _pid_conflicts(manifest))
         report.raise_blockers()
-        assert manifest is not None
+        assert manifest is not None and digests is not None
         device_map = _device_map(req, report, config)
     options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
                                timeout_s=req.timeouts.criu_s, tcp_established=req.tcp_established,
@@ -336,9 +381,25 @@ def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
     with _claimed(config, [], req.image_dir):
         with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
             files.ensure_private_dir(req.work_dir)
-        with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
-                criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
-            rc = runner.restore(req, options, run_dir.environment(options, device_map))
+        digests.start()  # a held workload's image is hashed while CRIU reads it
+        try:
+            with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
+                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
+                rc = runner.restore(req, options, run_dir.environment(options, device_map))
+        finally:
+            with steps.step("verify_wait", Reason.IMAGE_CORRUPT, image=req.image_dir):
+                corrupt = digests.result()
+        if corrupt is not None:
+            # the copy CRIU made from an image that is not the one sealed never runs past its take
+            # point: ended before anything releases it
+            if rc == 0:
+                try:
+                    corrupt.failure.evidence["restored_tree_ended"] = runner.discard(runner.restored_pid(req))
+                except SnapguardError:
+                    corrupt.failure.evidence["restored_tree_ended"] = None
+            corrupt.failure.workload_intact = False
+            corrupt.failure.warnings = report.warnings
+            raise corrupt
         if rc != 0:
             quoted, errors = _criu_errors(log)
             raise SnapguardError(Reason.CRIU_RESTORE_FAILED,

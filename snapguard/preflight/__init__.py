@@ -155,18 +155,25 @@ def container_report(container_id: str, runc_root: str | None, config: Config) -
 
 
 def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False,
-                    verified: dict[str, tuple[str, tuple[int, int]]] | None = None) -> Report:
+                    verified: dict[str, tuple[str, tuple[int, int]]] | None = None,
+                    defer_digests: bool = False) -> Report:
     """Can this host restore the image whose manifest (or image directory) is at `path`?
     `verified`: digests computed while the files were written (see image.verify).
 
     The image is verified first (marker, manifest, checksums); its manifest lands in
-    `report.facts["manifest"]`.
+    `report.facts["manifest"]`. With `defer_digests` the checksums are left to the caller:
+    `report.facts["inspected"]` (an image.Inspected) checks them.
     """
     # `exact`: a restore verifies the very directory CRIU will read, never its parent
     image_dir = path if exact or os.path.isdir(path) else os.path.dirname(path) or "."
     report = Report(f"--manifest {path}")
     try:
-        manifest = image.verify(image_dir, verified)
+        if defer_digests:
+            inspected = image.inspect(image_dir, verified)
+            report.facts["inspected"] = inspected
+            manifest = inspected.manifest
+        else:
+            manifest = image.verify(image_dir, verified)
     except SnapguardError as e:
         report.checks.append(CheckResult("image", findings=[
             Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)]))

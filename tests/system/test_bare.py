@@ -107,3 +107,67 @@ def test_missing_pid_is_typed(env: dict[str, str], tmp_path: Path) -> None:
     out = snapguard("checkpoint", "--pid", str(2**22 + 11), "--images", str(tmp_path / "i"), env=env)
     assert out.returncode == 1 and out.stderr.startswith("snapguard PROCESS_NOT_FOUND: ")
     assert "Traceback" not in out.stderr and not (tmp_path / "i").exists()
+
+
+HELD_TRAINER = """
+import sys, time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+i = h = 0
+while True:
+    opt.zero_grad()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # the take point holds the trainer here, after a whole step
+    i += 1
+    h = (h * 31 + i) % 1000000007
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{i} {h}\\n")
+    time.sleep(0.01)
+"""
+
+
+def test_held_workload_is_verified_while_criu_restores_it_and_never_released_corrupt(tmp_path: Path) -> None:
+    """A workload held at its take point when dumped waits there after the restore: its image is
+    hashed while CRIU reads it (no checksum pass before CRIU), and a digest that differs ends the
+    restored copy before anything releases it. A workload not held is verified before CRIU."""
+    pytest.importorskip("torch")
+    from snapguard_lab.targets import BareTarget, typed_lines
+
+    def snapshot(t: BareTarget, name: str) -> Path:
+        images = tmp_path / name
+        out = t.checkpoint(images, images)
+        assert out.returncode == 0, out.stderr
+        return images
+
+    with BareTarget(tmp_path / "held", script=HELD_TRAINER, hook=True) as t:
+        t.start(lines=3)
+        images = snapshot(t, "held-img")
+        manifest = image.verify(str(images))
+        assert manifest["take_point"] and all(f["ok"] for f in manifest["take_point"].values())
+        pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+        data = bytearray(pages.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        pages.write_bytes(bytes(data))
+        last = t.values()[-1][0]
+        out = t.restore(images, images)
+        lines = typed_lines(out.stderr)
+        assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith("snapguard IMAGE_CORRUPT: "), out.stderr
+        record = t.record(images, images)
+        assert record["evidence"]["restored_tree_ended"] is True and record["workload_intact"] is False, record
+        time.sleep(0.5)
+        assert t.values()[-1][0] == last, "the corrupt copy ran past its take point"
+        assert t.pid() is None or not t.alive()
+        data[len(data) // 2] ^= 0xFF  # put it back: the same image restores and goes on
+        pages.write_bytes(bytes(data))
+        out = t.restore(images, images)
+        assert out.returncode == 0, out.stderr
+        timings = json.loads(out.stdout)["timings"]
+        assert "verify_wait_s" in timings and "verify_s" not in timings, timings
+        assert t.advancing(), "the restored trainer does not step"
+    with BareTarget(tmp_path / "counter") as c:  # not held: the whole image first, as always
+        c.start(lines=3)
+        images = snapshot(c, "counter-img")
+        out = c.restore(images, images)
+        assert out.returncode == 0, out.stderr
+        assert "verify_s" in json.loads(out.stdout)["timings"]
