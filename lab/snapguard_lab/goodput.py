@@ -50,7 +50,7 @@ from typing import Any
 from snapguard import plan as planner
 from snapguard.config import Config, load
 from snapguard.hooks import site_dir
-from snapguard.notice import Registry, agent_dir, post_notice
+from snapguard.notice import Registry, agent_dir, post_notice, read_journal
 from snapguard.pipeline import restore_from
 from snapguard.reasons import SnapguardError, failure_from
 
@@ -359,17 +359,7 @@ class Run:
                 self.agent.wait()
 
     def journal(self) -> list[dict[str, Any]]:
-        try:
-            lines = (self.state / "agent" / "journal.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
+        return read_journal(str(self.state / "agent"))
 
     def protect(self, pid: int, epoch: int | None = None) -> None:
         """`snapguard protect --pid`: the agent's registry holds this arm's one current trainer."""

@@ -16,6 +16,7 @@ from ._agent import Registry as Registry
 from ._agent import agent_dir as agent_dir
 from ._agent import local_source as local_source
 from ._agent import post_notice as post_notice
+from ._agent import read_journal as read_journal
 from ._cli import COMMANDS as COMMANDS
 from ._cli import add_parsers as add_parsers
 from ._sources import SOURCE_NAMES as SOURCE_NAMES
@@ -28,4 +29,5 @@ from ._sources import Notice as Notice
 from ._sources import Source as Source
 
 __all__ = ["COMMANDS", "SOURCE_NAMES", "Agent", "AwsSpot", "Azure", "Gce", "ImageStore", "Kubernetes", "Local",
-           "Notice", "Registry", "Source", "add_parsers", "agent_dir", "local_source", "post_notice"]
+           "Notice", "Registry", "Source", "add_parsers", "agent_dir", "local_source", "post_notice",
+           "read_journal"]

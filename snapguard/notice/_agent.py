@@ -40,7 +40,7 @@ from ..names import MARKER_NAME
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._sources import Local, Notice, Source
 
-__all__ = ["Agent", "ImageStore", "Registry", "agent_dir", "post_notice"]
+__all__ = ["Agent", "ImageStore", "Registry", "agent_dir", "post_notice", "read_journal"]
 
 JOURNAL = "journal.jsonl"
 REGISTRY = "registry.json"
@@ -165,6 +165,22 @@ class Registry:
             return w.pop(key, None) is not None
 
 
+def read_journal(directory: str) -> list[dict[str, Any]]:
+    """The agent's journal in `directory` (`<state_dir>/agent`), one dict per line, oldest first."""
+    try:
+        with open(os.path.join(directory, JOURNAL), "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a kill mid-write
+    return out
+
+
 def post_notice(config: Config, reason: str, *, notice_id: str | None = None, lead_s: float | None = None) -> str:
     """`snapguard notice`: put a notice in the agent's inbox (atomic: a temporary file, renamed)."""
     inbox = files.ensure_private_dir(os.path.join(agent_dir(config), INBOX))
@@ -248,18 +264,7 @@ class Agent:
             os.close(fd)
 
     def read_journal(self) -> list[dict[str, Any]]:
-        try:
-            with open(os.path.join(self.dir, JOURNAL), "rb") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a kill mid-write
-        return out
+        return read_journal(self.dir)
 
     def _notices(self) -> dict[str, Any]:
         return _read_json(os.path.join(self.dir, NOTICES), {})
