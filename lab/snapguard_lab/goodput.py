@@ -407,13 +407,13 @@ class Run:
         return self.proc, res
 
     def prune_store(self, keep: set[str]) -> None:
-        """The store has no delete: the drill drops the images of its own file:// store that it will
-        never restore (the H200's images are GBs each)."""
-        images = self.store_dir / self.job / "images"
-        if images.is_dir():
-            for d in images.iterdir():
-                if d.name not in keep:
-                    shutil.rmtree(d, ignore_errors=True)
+        """Drop the images of the arm's store it will never restore (the H200's are GBs each)."""
+        from snapguard.store import open_store
+
+        store = open_store(f"file://{self.store_dir}")
+        for ref in store.images(self.job, whole_only=False):
+            if ref.name not in keep:
+                store.delete_image(self.job, ref.name)
 
     def teardown(self) -> None:
         if self.agent is not None:

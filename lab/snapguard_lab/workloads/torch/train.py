@@ -34,6 +34,11 @@ import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# SIGUSR1 asks for an urgent file checkpoint (--save-dir). Counted from the very start: importing
+# torch takes seconds, and a signal then would otherwise end the process (its default action)
+_URGENT = [0]
+signal.signal(signal.SIGUSR1, lambda *_: _URGENT.__setitem__(0, _URGENT[0] + 1))
+
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -184,10 +189,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.stderr:
         os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
-    asked = [0]  # SIGUSR1s so far; a save after the step when it moved
+    asked = _URGENT  # SIGUSR1s so far; a save after the step when it moved
     if args.save_dir:
         os.makedirs(args.save_dir, mode=0o700, exist_ok=True)
-        signal.signal(signal.SIGUSR1, lambda *_: asked.__setitem__(0, asked[0] + 1))
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # no files to write: the default, as before
     t_start = time.time()
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True)
