@@ -55,17 +55,21 @@ class ImageStore(Protocol):
     def put_image(self, image_dir: str, job: str, name: str, progress: Callable[..., Any] | None = None) -> Any: ...
 
 
+def _push_epoch(store: Any, w: dict[str, Any]) -> int:
+    """The fencing epoch a workload's image is pushed under: its own (`protect --epoch`), else the
+    job's current one in the store (a newer epoch taken by a replacement refuses the push with
+    FENCED)."""
+    epoch = w.get("epoch")
+    return store.current_epoch(w["job"]) if epoch is None else int(epoch)
+
+
 def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, progress: Callable[..., Any]) -> Any:
     """Put a sealed image through whichever face the store has: `put_image(dir, job, name,
     progress)` (the ImageStore protocol) or snapguard.store's `push(dir, job, name=, epoch=,
-    progress=Progress)` under the workload's fencing epoch (`protect --epoch`, else the job's current
-    one: a newer epoch taken by a replacement refuses the push with FENCED)."""
+    progress=Progress)` under the workload's fencing epoch (`_push_epoch`)."""
     if hasattr(store, "put_image"):
         return store.put_image(image, w["job"], name, progress=progress)
-    epoch = w.get("epoch")
-    if epoch is None:
-        epoch = store.current_epoch(w["job"])
-    ref = store.push(image, w["job"], name=name, epoch=int(epoch),
+    ref = store.push(image, w["job"], name=name, epoch=_push_epoch(store, w),
                      progress=store_mod.Progress(callback=lambda state: progress(state)))
     return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
 
@@ -560,8 +564,7 @@ class Agent:
             from .. import store as store_mod
 
             store = store_mod.open_store(str(self.store_url))
-            epoch = w.get("epoch")
-            epoch = store.current_epoch(w["job"]) if epoch is None else int(epoch)
+            epoch = _push_epoch(store, w)
             stream = store.stream(image, w["job"], name=name, epoch=epoch,
                                   progress=store_mod.Progress(callback=self._progress_logger(name)))
         except Exception as e:

@@ -111,6 +111,7 @@ class Fetched:
     bytes: int
     seconds: float
     verified: tuple[tuple[str, str, int, int], ...]  # digests bound to the written files' inodes
+    fallback: str | None  # the job's file checkpoint, named by a refusal of the restore that follows
 
     def summary(self) -> dict[str, Any]:
         """What a restore's result record says of the fetch."""
@@ -160,7 +161,7 @@ def fetch_fenced(url: str, config: Config, *, job: str | None = None, image: str
         mark_fallback(e, job, fallback)
         raise
     return Fetched(pulled.image_dir, job, store.url, ref.name, epoch, pulled.bytes, pulled.seconds,
-                   _bound(pulled.image_dir, pulled.digests))
+                   _bound(pulled.image_dir, pulled.digests), fallback)
 
 
 def mark_fallback(e: SnapguardError, job: str | None, fallback: str | None) -> None:
@@ -184,15 +185,7 @@ def restore_from(url: str, config: Config, *, job: str | None = None, image: str
                       device_map=device_map, verified_digests=got.verified)
         result = restore(CriuRunner(config.criu), req, config)
     except SnapguardError as e:
-        fallback = e.failure.evidence.get("file_checkpoint") or file_checkpoint
-        if fallback is None:
-            try:
-                from ..store import open_store
-
-                fallback = open_store(url).newest_file_checkpoint(got.job)
-            except SnapguardError:
-                fallback = None
-        mark_fallback(e, got.job, fallback)
+        mark_fallback(e, got.job, got.fallback)
         raise
     result.update(got.summary())
     return result

@@ -40,7 +40,7 @@ def restore(config: Config, args: list[str], opts: GlobalOptions, sub: Subcomman
         result = pipeline.restore(runner, req, config)
     except SnapguardError as e:
         if fetched is not None:
-            pipeline.mark_fallback(e, fetched.job, None)
+            pipeline.mark_fallback(e, fetched.job, fetched.fallback)
         raise
     if fetched is not None:
         result.update(fetched.summary())

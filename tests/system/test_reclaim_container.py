@@ -78,6 +78,38 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
         assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
 
 
+def test_snapguard_runc_restore_from_refused_after_the_fetch_names_the_file_checkpoint(
+        snapguard_runc: str, tmp_path: Path) -> None:
+    """A restore --from whose image is fetched and fenced but whose restore then fails (here runc
+    finds no bundle) names the job's file checkpoint registered in the store, for the caller's
+    fallback."""
+    from snapguard import image
+    from snapguard.procfs import host_facts
+    from snapguard.store import open_store
+
+    sealed = tmp_path / "sealed"
+    sealed.mkdir(mode=0o700)
+    (sealed / "pages-1.img").write_bytes(os.urandom(4096))
+    image.seal(str(sealed), {"criu_version": "4.2.1", "host": host_facts(), "processes": []})
+    store = open_store(f"file://{tmp_path / 'store'}")
+    store.push(str(sealed), "fb-job")
+    store.register_file_checkpoint("fb-job", "/ckpt/fb-job/step-100")
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    env = {**os.environ, "SNAPGUARD_CONFIG": str(config), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+    work, log = tmp_path / "work", tmp_path / "runc-log.json"
+    out = subprocess.run([snapguard_runc, "--log", str(log), "--log-format", "json", "restore", "--from", store.url,
+                          "--from-job", "fb-job", "--image-path", str(tmp_path / "pulled"), "--work-path", str(work),
+                          "--bundle", str(tmp_path / "no-bundle"), "c-fallback"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stderr
+    record = json.loads((work / RESULT_NAME).read_text())
+    # refused by the restore itself, after the fetch took the epoch
+    assert (record["ok"], record["phase"], store.current_epoch("fb-job")) == (False, "restore", 1), record
+    assert record["evidence"].get("file_checkpoint") == "/ckpt/fb-job/step-100", record
+    assert record["evidence"]["job"] == "fb-job", record
+
+
 def test_agent_protects_containers_annotated_in_containerd(containerd, snapguard_runc: str, tmp_path: Path) -> None:
     """Containers annotated snapguard.io/job, found through containerd's API, join the registry
     (the others and a malformed one do not), and a notice snapshots them through runc's root of
