@@ -14,7 +14,7 @@ from ..names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
 from ..reasons import Reason, SnapguardError
 from ._digest import combine
 
-__all__ = ["STORE_RECORD", "check_member", "open_member", "read_sealed", "upload_member"]
+__all__ = ["STORE_RECORD", "check_member", "open_member", "read_sealed", "read_span", "upload_member"]
 
 STORE_RECORD = "snapguard-store.json"
 _SMALL_CAP = 64 << 20  # the largest manifest image.py accepts
@@ -73,6 +73,18 @@ def read_sealed(dir_fd: int, image_dir: str) -> tuple[bytes, bytes, dict[str, An
         raise SnapguardError(Reason.IMAGE_CORRUPT, f"{MANIFEST_NAME} of {image_dir} does not match its marker",
                              evidence={"image": image_dir})
     return marker, manifest_bytes, image.validate_manifest(manifest, image_dir)
+
+
+def read_span(fd: int, offset: int, length: int) -> bytes:
+    """`length` bytes of fd at `offset` (one pread may return fewer); fewer only where the file
+    ends, never an error: the span's digest then differs from the manifest's, which decides."""
+    data = os.pread(fd, length, offset)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def open_member(dir_fd: int, image_dir: str, name: str, size: int) -> int:

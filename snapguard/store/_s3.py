@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 from ..reasons import Reason, SnapguardError
 from ._base import Progress, Store
 from ._digest import SPAN, spans
+from ._members import read_span
 
 __all__ = ["S3Store"]
 
@@ -135,17 +136,8 @@ class S3Store(Store):
         self._call(f"delete {key}", lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
 
     def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
-        def read_span(off: int, length: int) -> bytes:
-            data = os.pread(fd, length, off)
-            while len(data) < length:
-                more = os.pread(fd, length - len(data), off + len(data))
-                if not more:
-                    break
-                data += more
-            return data
-
         if size <= SPAN:
-            data = read_span(0, size)
+            data = read_span(fd, 0, size)
             self._put(key, data)
             progress.add(len(data))
             return [hashlib.sha256(data).digest()]
@@ -155,7 +147,7 @@ class S3Store(Store):
         try:
             def part(args: tuple[int, tuple[int, int]]) -> tuple[bytes, dict[str, Any]]:
                 i, (off, length) = args
-                data = read_span(off, length)
+                data = read_span(fd, off, length)
                 b64, hexd = _md5(data)
                 r = self._call(f"upload part {i + 1} of {key}", lambda: self.client.upload_part(
                     Bucket=self.bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=data, ContentMD5=b64))

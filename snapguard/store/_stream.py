@@ -24,7 +24,7 @@ from typing import Any
 
 from ..names import NOT_IMAGE_FILES
 from ._digest import SPAN, combine
-from ._members import check_member, read_sealed, upload_member
+from ._members import check_member, read_sealed, read_span, upload_member
 
 __all__ = ["StreamingPush"]
 
@@ -36,8 +36,8 @@ class _Follower:
     """One image file being streamed: its open fd (the inode seen first), the object's handle
     in the store, and the digest of each span sent, by index."""
 
-    def __init__(self, name: str, fd: int, ino: int, handle: Any) -> None:
-        self.name, self.fd, self.ino, self.handle = name, fd, ino, handle
+    def __init__(self, name: str, fd: int, handle: Any) -> None:
+        self.name, self.fd, self.handle = name, fd, handle
         self.sent = 0  # spans submitted
         self.digests: dict[int, bytes] = {}
         self.futures: list[Future[None]] = []
@@ -112,7 +112,7 @@ class StreamingPush:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             return None
-        f = _Follower(name, fd, st.st_ino, self.store._begin(self.prefix + name))
+        f = _Follower(name, fd, self.store._begin(self.prefix + name))
         self._followers[name] = f
         return f
 
@@ -125,13 +125,7 @@ class StreamingPush:
     def _send(self, f: _Follower, index: int, length: int) -> None:
         import hashlib
 
-        off = index * SPAN
-        data = os.pread(f.fd, length, off)
-        while len(data) < length:
-            more = os.pread(f.fd, length - len(data), off + len(data))
-            if not more:
-                break
-            data += more
+        data = read_span(f.fd, index * SPAN, length)
         f.digests[index] = hashlib.sha256(data).digest()
         self.store._part(f.handle, index, data)
         self.progress.add(len(data))
