@@ -38,6 +38,10 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # torch takes seconds, and a signal then would otherwise end the process (its default action)
 _URGENT = [0]
 signal.signal(signal.SIGUSR1, lambda *_: _URGENT.__setitem__(0, _URGENT[0] + 1))
+# SIGUSR2 (a diagnostic of bench/gpu/share_probe.py): after the step, move every parameter, gradient,
+# buffer and optimizer state into fresh device allocations, the values unchanged
+_RELOCATE = [0]
+signal.signal(signal.SIGUSR2, lambda *_: _RELOCATE.__setitem__(0, _RELOCATE[0] + 1))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -163,6 +167,26 @@ def dcp_async_save(path: str, step: int, model: nn.Module, opt: torch.optim.Opti
     return fut, held, done
 
 
+def relocate_device_memory(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Each device storage of the model and optimizer through host memory into a new allocation, the
+    caching allocator's freed segments given back in between, so none of the new ones reuses an old
+    mapping; returns the seconds it took. Views stay valid: a storage is resized, not replaced."""
+    t0 = time.time()
+    tensors = [*model.parameters(), *model.buffers(),
+               *(p.grad for p in model.parameters() if p.grad is not None),
+               *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.is_cuda}
+    host = {k: s.cpu() for k, s in storages.items()}
+    for s in storages.values():
+        s.resize_(0)
+    torch.cuda.empty_cache()
+    for k, s in storages.items():
+        s.resize_(host[k].nbytes())
+        s.copy_(host[k])
+    torch.cuda.synchronize()
+    return time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
@@ -216,7 +240,7 @@ def main() -> None:
               f"{sum(p.numel() for p in model.parameters())}\n")
     dcp_pending = None
     due = time.time() + args.save_every if args.save_dir and args.save_every > 0 else math.inf
-    answered = 0
+    answered = relocated = 0
     for step in range(first, args.steps + 1):
         x, y = batch(step, args.batch, device)
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -238,6 +262,9 @@ def main() -> None:
                 log.write(f"saved {step} {stall:.6f} {now:.6f} {kind}\n")
                 if due != math.inf and (kind == "periodic" or not args.urgent_keeps_period):
                     due = time.time() + args.save_every
+        if _RELOCATE[0] != relocated and device == "cuda":
+            relocated = _RELOCATE[0]
+            log.write(f"relocated {step} {relocate_device_memory(model, opt):.6f}\n")
         if dcp_pending is not None and dcp_pending[0].done():
             dcp_report(log, dcp_pending)
             dcp_pending = None
