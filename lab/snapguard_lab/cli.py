@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     gp.add_argument("--concurrent", action="store_true",
                     help="run the uninterrupted run and the arms at once (one GPU, as the reference did); "
                          "default one after another")
+    gp.add_argument("--no-context-parity", dest="context_parity", action="store_false",
+                    help="skip the in-place CUDA checkpoint + restore of every launched trainer after its first "
+                         "step (on a time-sliced GPU a restored context gets a smaller share than a fresh one; "
+                         "parity puts every trainer in the same class; only on CUDA)")
     gp.add_argument("--trainer-args", default="", metavar="ARGS",
                     help="extra arguments for train.py, e.g. '--device cpu --width 48 --layers 1 --batch 1'")
     return p
@@ -108,7 +112,8 @@ def _goodput(args: argparse.Namespace) -> int:
 
     return run_goodput_drill(args.workdir or tempfile.mkdtemp(prefix="snapguard-goodput-"), seed=args.seed,
                              compress=args.compress, shape=shape, trainer_args=tuple(shlex.split(args.trainer_args)),
-                             concurrent=args.concurrent, json_path=args.json, arms=letters)
+                             concurrent=args.concurrent, json_path=args.json, arms=letters,
+                             context_parity=args.context_parity)
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:

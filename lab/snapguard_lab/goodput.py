@@ -22,6 +22,17 @@ An unannounced kill is SIGKILL of the trainer. Then A starts cold from its newes
 restore the paired snapshot while no newer file exists (else cold from the newest file), D
 restores its newest snapshot (or starts again from step 0 when it has none).
 
+Context parity (on by default where the trainer uses CUDA, off with --no-context-parity): every
+trainer process a launch starts (the uninterrupted run's, each arm's first, a cold start's) has its
+CUDA state checkpointed and restored in place by the driver (lock, checkpoint, restore, unlock) right
+after its first step. Under time-slicing the driver gives a context that went through
+cuCheckpointProcessRestore a smaller share of a shared GPU than a fresh one: five trainers on one
+H200, two of them restored, stepped 161 ms restored against 90 ms fresh, the GPU's total throughput
+unchanged, and a leave-running snapshot of a fresh one moved it to the slow side
+(bench/results/h200/share-probe-*). A job that owns its GPUs never meets that asymmetry; parity
+keeps the drill measuring recovery rather than the driver's scheduling. Its stalls are in the
+arms' steps and reported (`context_parity`).
+
 Reported per arm: goodput (steps at the end of the window over the uninterrupted run's steps in
 the same window, each window counted from the run's first step), steps lost per event, time from
 each reclaim (the notice, the kill) to the first new step, the planner's prediction of the goodput
@@ -47,6 +58,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from snapguard import cuda
 from snapguard import plan as planner
 from snapguard.config import Config, load
 from snapguard.hooks import site_dir
@@ -62,6 +74,7 @@ __all__ = ["ARMS", "REFERENCE_SHAPE", "ArmSpec", "Event", "Shape", "make_schedul
 # A trainer never ends by itself: the drill kills it at the end of its window.
 ENDLESS_STEPS = 10**9
 KEEP_FILES = 2
+PARITY_LOCK_MS = 30_000  # the lock waits for the trainer's queued GPU work
 
 # The trainer's file checkpoints (train.py --save-dir): files every `file_every` s and an urgent one
 # on SIGUSR1, each after a step and holding it, logged as
@@ -232,8 +245,11 @@ class Run:
     """One line of trainers logging into one file, with its checkpoints, agent and store."""
 
     def __init__(self, base: Path, name: str, trainer_args: tuple[str, ...], *, file_every: float = 0.0,
-                 reset_on_urgent: bool = False, snapshot: bool = False, say: Callable[[str], None] = print) -> None:
+                 reset_on_urgent: bool = False, snapshot: bool = False, parity: bool = False,
+                 say: Callable[[str], None] = print) -> None:
         self.name, self.dir = name, base / name
+        self.parity = parity
+        self.parity_stalls: list[dict[str, Any]] = []
         self.dir.mkdir(mode=0o700, parents=True)
         self.log = self.dir / "train.log"
         self.ckdir = self.dir / "checkpoints"
@@ -286,6 +302,22 @@ class Run:
                 raise RuntimeError(f"{self.name}: the trainer exited {self.proc.popen.returncode}: {tail}")
             return None
         return _wait(new, timeout, f"{self.name}: no step after {moment:.3f}")
+
+    def context_parity(self) -> None:
+        """A launched trainer's CUDA state through the driver's checkpoint and restore, in place, so
+        that it shares the GPU as a restored one does (see the module's docstring). After its first
+        step: its context exists and the launch is timed already."""
+        if not self.parity or self.proc is None:
+            return
+        pid, t0 = self.proc.pid, time.time()
+        driver = cuda.load()
+        driver.lock(pid, PARITY_LOCK_MS)
+        try:
+            driver.checkpoint(pid)
+            driver.restore(pid)
+        finally:
+            driver.unlock(pid)
+        self.parity_stalls.append({"pid": pid, "at": round(t0, 3), "seconds": round(time.time() - t0, 3)})
 
     def last_step(self) -> int:
         rows = _rows(self.log)
@@ -430,12 +462,12 @@ class Run:
 
 class Arm:
     def __init__(self, spec: ArmSpec, base: Path, shape: Shape, schedule: list[Event], trainer_args: tuple[str, ...],
-                 file_every: float | None, say: Callable[[str], None]) -> None:
+                 file_every: float | None, say: Callable[[str], None], parity: bool = False) -> None:
         self.spec, self.shape, self.schedule = spec, shape, schedule
         self.file_every = file_every
         self.say = lambda text: say(f"goodput {spec.name}: {text}")
         self.run = Run(base, f"arm-{spec.name}", trainer_args, file_every=file_every or 0.0,
-                       reset_on_urgent=spec.snapshot, snapshot=spec.snapshot, say=self.say)
+                       reset_on_urgent=spec.snapshot, snapshot=spec.snapshot, parity=parity, say=self.say)
         self.t0 = 0.0
         self.machine = 1
         self.events: list[dict[str, Any]] = []
@@ -453,6 +485,7 @@ class Arm:
         r.launch()
         first = r.first_step_after(0)
         self.t0 = first[2]
+        r.context_parity()
         if self.spec.snapshot:
             r.protect(r.proc.pid)  # type: ignore[union-attr]
         self.say(f"first step at {time.strftime('%H:%M:%S', time.localtime(self.t0))}, window "
@@ -595,6 +628,8 @@ class Arm:
             how, resume = ("cold start from file" if file else "start from step 0"), (file[0] if file else 0)
         self.kills.append((killed_at, resume))
         first = r.first_step_after(t_start)
+        if not use_snapshot:
+            r.context_parity()
         if self.spec.snapshot:
             r.protect(proc.pid, res.get("fence_epoch"))
         self.machine += 1
@@ -624,7 +659,7 @@ class Arm:
                                  "stall_s": [round(s[1], 4) for s in saves],
                                  "periodic_stall_share": sum(s[1] for s in in_window if s[3] == "periodic")
                                  / self.shape.window_s},
-            "launches": self.run.launches, "log": str(self.run.log),
+            "launches": self.run.launches, "context_parity": self.run.parity_stalls, "log": str(self.run.log),
         }
 
 
@@ -765,16 +800,18 @@ def check_bits(reference: list[tuple[int, str, float]], rows: list[tuple[int, st
             "loss_mismatches": mismatched[:5], "bit_identical": not mismatched and compared > 0}
 
 
-def _reference(base: Path, trainer_args: tuple[str, ...], run_for: float, say: Callable[[str], None]) -> dict[str, Any]:
-    r = Run(base, "reference", trainer_args, say=say)
+def _reference(base: Path, trainer_args: tuple[str, ...], run_for: float, say: Callable[[str], None],
+               parity: bool = False) -> dict[str, Any]:
+    r = Run(base, "reference", trainer_args, parity=parity, say=say)
     try:
         r.launch()
         t0 = r.first_step_after(0)[2]
+        r.context_parity()
         say(f"goodput: reference running {run_for:.0f} s from its first step")
         _sleep_until(t0 + run_for)
     finally:
         r.teardown()
-    return {"first_step_time": t0, "log": r.log}
+    return {"first_step_time": t0, "log": r.log, "context_parity": r.parity_stalls}
 
 
 def _table(out: dict[str, Any]) -> str:
@@ -803,9 +840,11 @@ def _table(out: dict[str, Any]) -> str:
 
 def run_goodput_drill(workdir: str, *, seed: int = 1, compress: float = 1.0, shape: Shape = REFERENCE_SHAPE,
                       trainer_args: tuple[str, ...] = (), concurrent: bool = False, json_path: str | None = None,
-                      arms: str = "ABCD", say: Callable[[str], None] | None = None) -> int:
+                      arms: str = "ABCD", context_parity: bool = True,
+                      say: Callable[[str], None] | None = None) -> int:
     """The goodput drill; `shape` in the reference's seconds, divided by `compress`. Exit 0: every
-    arm ran its events and every logged step has the uninterrupted run's loss bits; 1 otherwise."""
+    arm ran its events and every logged step has the uninterrupted run's loss bits; 1 otherwise.
+    `context_parity` applies only to a trainer on CUDA (not one given `--device cpu`)."""
     emit = say or (lambda text: print(text, flush=True))
     lock = threading.Lock()
 
@@ -828,15 +867,21 @@ def run_goodput_drill(workdir: str, *, seed: int = 1, compress: float = 1.0, sha
          + (", ".join(f"{e.id}@{e.t:.1f}" + (f"+{e.lead:.1f}" if e.lead else "") for e in schedule) or "no events"))
     _subreaper(True)
     try:
+        parity = context_parity and not _on_cpu(trainer_args)
         return _drill(base, seed, compress, shape, scaled, schedule, specs, trainer_args, concurrent, json_path,
-                      say_)
+                      say_, parity)
     finally:
         _subreaper(False)
 
 
+def _on_cpu(trainer_args: tuple[str, ...]) -> bool:
+    args = list(trainer_args)
+    return any(a == "--device=cpu" or (a == "--device" and args[i + 1:i + 2] == ["cpu"]) for i, a in enumerate(args))
+
+
 def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, schedule: list[Event],
            specs: list[ArmSpec], trainer_args: tuple[str, ...], concurrent: bool, json_path: str | None,
-           say_: Callable[[str], None]) -> int:
+           say_: Callable[[str], None], parity: bool = False) -> int:
     cal = calibrate(base, trainer_args, say_)
     period_c = cadence_for_c(cal, scaled)
     say_(f"goodput: the planner sets arm C's files every {period_c:.2f} s")
@@ -846,10 +891,10 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
     ref: dict[str, Any] = {}
 
     def do_ref() -> None:
-        ref.update(_reference(base, trainer_args, run_for, say_))
+        ref.update(_reference(base, trainer_args, run_for, say_, parity))
 
     def do_arm(spec: ArmSpec) -> None:
-        arm = Arm(spec, base, scaled, schedule, trainer_args, periods[spec.files], say_)
+        arm = Arm(spec, base, scaled, schedule, trainer_args, periods[spec.files], say_, parity)
         try:
             results[spec.name] = arm.go()
         except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, AssertionError) as e:
@@ -897,7 +942,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         ok = ok and a["bits"]["bit_identical"] and a["ran_all_events"]
     cal_bits = check_bits(ref_rows, _rows(Path(cal["log"])))
     ok = ok and cal_bits["bit_identical"]
-    out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent,
+    out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent, "context_parity": parity,
            "shape_reference_s": asdict(shape), "shape_s": asdict(scaled), "trainer_args": list(trainer_args),
            "schedule": [e.to_dict() for e in schedule],
            "calibration": {**cal, "bits": cal_bits}, "cadence_c_s": period_c,
@@ -906,6 +951,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
                                                       "leads_s": [round(e.lead or 0, 3) for e in schedule
                                                                   if e.kind == "notice"]}},
            "reference": {"steps_in_window": ref_steps, "rows": len(ref_rows),
+                         "context_parity": ref.get("context_parity", []),
                          "step_time_s": _median([b[2] - a[2] for a, b in zip(ref_rows, ref_rows[1:])])},
            "arms": arms_out}
     print(_table(out), flush=True)

@@ -112,3 +112,13 @@ def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         except OSError:
             continue
         assert work.encode() not in cmdline, (pid, cmdline[:200])
+
+
+def test_context_parity_applies_to_cuda_trainers_only() -> None:
+    from snapguard_lab.goodput import _on_cpu
+
+    assert _on_cpu(("--device", "cpu", "--width", "48"))
+    assert _on_cpu(("--width", "48", "--device=cpu"))
+    assert not _on_cpu(("--device", "cuda"))
+    assert not _on_cpu(("--width", "48", "--device"))
+    assert not _on_cpu(())
