@@ -10,8 +10,11 @@ trainers sharing one GPU; alone on the GPU a restored trainer steps like a fresh
             dumps only) and after a stop + restore (CRIU rebuilds the process). A GPU-side cause
             (the restored device memory mapped differently) shows here, where a small batch hides
             it behind the CPU.
-  shared    two trainers with the drill's batch on one GPU, F (fresh) and R: both before; R stopped
-            and restored; both again; then F snapshotted leave-running; both again.
+  shared    --shared trainers with the drill's batch on one GPU (five, as in the goodput drill):
+            all fresh; then --restore of them (R*) stopped and restored while the others (F*) run
+            on; then R1 moves its tensors into fresh device allocations (train.py's SIGUSR2: a restored
+            mapping that costs more on every context switch would show); then F1 snapshotted
+            leave-running. nvidia-smi pmon samples each window.
 
 Per trainer and window: steps, median step time, CPU seconds per step (utime + stime from
 /proc/PID/stat), context switches per step, and the process's placement: CPU affinity, nice and
@@ -29,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import statistics
 import sys
 import time
@@ -81,13 +85,23 @@ def counters(pid: int) -> tuple[float, int]:
     return cpu, switches
 
 
+def pmon() -> list[str]:
+    """nvidia-smi's per-process SM and memory utilisation, three one-second samples."""
+    try:
+        done = subprocess.run(["/usr/bin/nvidia-smi", "pmon", "-c", "3", "-s", "u"], capture_output=True,
+                              text=True, timeout=30)
+        return done.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"{type(e).__name__}: {e}"]
+
+
 def window(label: str, runs: dict[str, tuple[Trainer, int]], seconds: float) -> dict[str, Any]:
     """Every trainer's steps and costs over the next `seconds`."""
     start = {name: counters(pid) for name, (_, pid) in runs.items()}
     t0 = time.time()
     time.sleep(seconds)
     t1 = time.time()
-    out: dict[str, Any] = {"window": label, "seconds": seconds, "trainers": {}}
+    out: dict[str, Any] = {"window": label, "seconds": seconds, "trainers": {}, "pmon": pmon()}
     for name, (run, pid) in runs.items():
         cpu, sw = counters(pid)
         times = sorted(t for _, _, t, _ in run.rows() if t0 <= t <= t1)
@@ -105,6 +119,8 @@ def window(label: str, runs: dict[str, tuple[Trainer, int]], seconds: float) -> 
                      f"cpu {t['cpu_s_per_step'] * 1000:6.1f} ms/step thp {t['placement']['anon_huge_kb'] >> 10} MiB"
                      for n, t in out["trainers"].items())
     print(f"{label:<34} {line}", flush=True)
+    for row in out["pmon"]:
+        print(f"    {row}", flush=True)
     return out
 
 
@@ -133,6 +149,8 @@ def main() -> int:
     ap.add_argument("--alone-batch", type=int, default=64, help="the GPU-bound batch of the alone phase")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
     ap.add_argument("--phases", default="alone,shared")
+    ap.add_argument("--shared", type=int, default=5, help="trainers sharing the GPU in the shared phase (default 5)")
+    ap.add_argument("--restore", type=int, default=2, help="how many of them are stopped and restored (default 2)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("share_probe.py: run as root")
@@ -153,16 +171,19 @@ def main() -> int:
     def start(name: str, batch: int) -> tuple[Trainer, int]:
         run = Trainer(BASE, name, 10 ** 7, trimmed=True, extra=["--batch", str(batch), *extra], env=gpu_env)
         trainers.append(run)
-        pid = run.start(take)
-        run.wait_step(30, timeout=300)
-        return run, pid
+        return run, run.start(take)
+
+    def settled(runs: dict[str, tuple[Trainer, int]]) -> dict[str, tuple[Trainer, int]]:
+        for run, _ in runs.values():
+            run.wait_step(30, timeout=300)
+        return runs
 
     def save() -> None:
         (out_dir / "share-probe.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
 
     try:
         if "alone" in phases:
-            run, pid = start("alone", args.alone_batch)
+            run, pid = settled({"alone": start("alone", args.alone_batch)})["alone"]
             report["windows"].append(window("alone: before", {"alone": (run, pid)}, args.phase_s))
             pid, info = snapshot(run, pid, config, stop=False)
             report["snapshots"].append({"trainer": "alone", **info})
@@ -173,17 +194,30 @@ def main() -> int:
             os.kill(pid, 9)
             save()
         if "shared" in phases:
-            f, fpid = start("F", 16)
-            r, rpid = start("R", 16)
-            report["windows"].append(window("shared: both fresh", {"F": (f, fpid), "R": (r, rpid)}, args.phase_s))
-            rpid, info = snapshot(r, rpid, config, stop=True)
-            report["snapshots"].append({"trainer": "R", **info})
+            # --shared trainers at the drill's batch; the first --restore of them are stopped and
+            # restored (R*), the rest stay fresh (F*), and then one fresh one is snapshotted
+            # leave-running: the driver's restore inside the same process, without CRIU's rebuild
+            names = [f"R{i + 1}" if i < args.restore else f"F{i + 1 - args.restore}" for i in range(args.shared)]
+            runs = settled({name: start(name, 16) for name in names})
+            report["windows"].append(window("shared: all fresh", runs, args.phase_s))
+            for name in [n for n in runs if n.startswith("R")]:
+                run, pid = runs[name]
+                pid, info = snapshot(run, pid, config, stop=True)
+                runs[name] = (run, pid)
+                report["snapshots"].append({"trainer": name, **info})
             time.sleep(3)
-            report["windows"].append(window("shared: R restored", {"F": (f, fpid), "R": (r, rpid)}, args.phase_s))
-            fpid, info = snapshot(f, fpid, config, stop=False)
-            report["snapshots"].append({"trainer": "F", **info})
-            report["windows"].append(window("shared: F after leave-running", {"F": (f, fpid), "R": (r, rpid)},
-                                            args.phase_s))
+            report["windows"].append(window("shared: R* restored", runs, args.phase_s))
+            if "R1" in runs:
+                # the trainer's SIGUSR2: its tensors into fresh device allocations (train.py)
+                os.kill(runs["R1"][1], signal.SIGUSR2)
+                time.sleep(3)
+                report["windows"].append(window("shared: R1 relocated", runs, args.phase_s))
+            if "F1" in runs:
+                run, pid = runs["F1"]
+                pid, info = snapshot(run, pid, config, stop=False)
+                runs["F1"] = (run, pid)
+                report["snapshots"].append({"trainer": "F1", **info})
+                report["windows"].append(window("shared: F1 after leave-running", runs, args.phase_s))
             save()
     finally:
         for t in trainers:
