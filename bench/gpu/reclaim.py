@@ -1,8 +1,11 @@
 """Reclaim recovery on the GPU machine: a notice -> the agent's stopping snapshot streamed into an
 image store -> `snapguard restore --from` on "another node", bit for bit against an uninterrupted run.
 
-Two nodes on one machine: node A (state /run/sg-a, the agent, images written to tmpfs) and node B
-(state /run/sg-b, the pulled image in tmpfs). The store is a file:// directory on the machine's
+Two nodes on one machine: node A (state /run/sg-a, the agent, its images) and node B (state
+/run/sg-b, the pulled image). snapguard's state directory is /run/snapguard, a tmpfs on a systemd
+node; where /run is not one (the lent H200 machines: ext4), each node's state directory gets a
+tmpfs of its own (--node-fs tmpfs, the default; --node-fs as-is keeps the disk, as the first runs
+did), so CRIU's writes and the pulled copy do not share the disk with the store's fsyncs. The store is a file:// directory on the machine's
 disk (/root/sg-reclaim/store: off tmpfs, fsynced, as a shared filesystem would be). With two GPUs
 the trainer runs on GPU 0 (CUDA_VISIBLE_DEVICES=0) and node B restores it onto GPU 1 through the
 device map (`--device-map 0=1`); with one GPU it restores onto the same GPU.
@@ -81,6 +84,31 @@ def gpu_of(pid: int) -> int | None:
     return None
 
 
+def fstype(path: str) -> str:
+    return subprocess.run(["findmnt", "-no", "FSTYPE", "-T", path], capture_output=True, text=True).stdout.strip()
+
+
+def clear(d: str) -> None:
+    """An empty node state directory, 0700: emptied in place (it may be a mount point)."""
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+    os.chmod(d, 0o700)
+
+
+def node_tmpfs(mounted: list[str]) -> None:
+    """A tmpfs on each node's state directory, unless it is on one already (listed in `mounted`)."""
+    for d in (NODE_A, NODE_B):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if fstype(d) != "tmpfs":
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=64g", "tmpfs", d], check=True, timeout=30)
+            mounted.append(d)
+
+
 def drop_caches() -> float:
     t = time.monotonic()
     os.sync()
@@ -93,8 +121,7 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, s
     store_dir = base / f"store-{tag}"
     store_url = f"file://{store_dir}"
     for d in (NODE_A, NODE_B):
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d, mode=0o700)
+        clear(d)
     os.makedirs(store_dir, mode=0o700)
     run = Trainer(base, f"reclaim-{tag}", steps, trimmed=True, extra=extra, env=gpu_env)
     pid = run.start(os.path.join(NODE_A, "take"))
@@ -169,6 +196,8 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=100)
     ap.add_argument("--runs", default="warm,cold", help="warm, cold or both (default)")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
+    ap.add_argument("--node-fs", choices=("tmpfs", "as-is"), default="tmpfs",
+                    help="tmpfs (default): a tmpfs on each node's state directory where /run is not one")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("reclaim.py: run as root")
@@ -181,6 +210,18 @@ def main() -> int:
     BASE.mkdir(mode=0o700, parents=True)
     load()  # the config is readable before anything starts
     os.makedirs(NODE_A, mode=0o700, exist_ok=True)
+    mounted: list[str] = []
+    if args.node_fs == "tmpfs":
+        node_tmpfs(mounted)
+    try:
+        return _runs(args, facts, ngpu, remap, extra, gpu_env)
+    finally:
+        for d in mounted:
+            subprocess.run(["umount", d], timeout=60)
+
+
+def _runs(args: argparse.Namespace, facts: dict[str, Any], ngpu: int, remap: bool, extra: list[str],
+          gpu_env: dict[str, str]) -> int:
     mounts = subprocess.run(["findmnt", "-no", "TARGET,FSTYPE", "-T", NODE_A], capture_output=True, text=True).stdout
     print(f"reclaim: node state dirs on {mounts.strip() or '?'}; store on "
           + subprocess.run(["findmnt", "-no", "TARGET,FSTYPE", "-T", str(BASE)], capture_output=True,
@@ -224,6 +265,7 @@ def main() -> int:
     ok = all(r.get("bit_identical") for r in rows + baseline)
     doc = {"ok": ok, "date": time.strftime("%Y-%m-%d"), "gpus": ngpu, "driver": facts.get("driver_version"),
            "steps": args.steps, "at": args.at, "store": "file:// on the machine's disk, fsynced",
+           "node_state_fs": {d: fstype(d) for d in (NODE_A, NODE_B)},
            "runs": rows, "baseline": baseline,
            "targets": {"notice_to_image_whole_s": 8.0, "notice_to_first_new_step_s": 12.0}}
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
