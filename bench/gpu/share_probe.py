@@ -15,6 +15,9 @@ trainers sharing one GPU; alone on the GPU a restored trainer steps like a fresh
             on; then R1 moves its tensors into fresh device allocations (train.py's SIGUSR2: a restored
             mapping that costs more on every context switch would show); then F1 snapshotted
             leave-running. nvidia-smi pmon samples each window.
+  parity    --shared fresh trainers; then --restore of them (T*) put through the driver's checkpoint
+            and restore in place (lock, checkpoint, restore, unlock: the goodput drill's context
+            parity) while the others (F*) run on.
 
 Per trainer and window: steps, median step time, CPU seconds per step (utime + stime from
 /proc/PID/stat), context switches per step, and the process's placement: CPU affinity, nice and
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapguard import cuda
 from snapguard.config import load
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard_lab.torch_drill import Trainer
@@ -148,7 +152,7 @@ def main() -> int:
     ap.add_argument("--phase-s", type=float, default=15.0, help="seconds per measuring window (default 15)")
     ap.add_argument("--alone-batch", type=int, default=64, help="the GPU-bound batch of the alone phase")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
-    ap.add_argument("--phases", default="alone,shared")
+    ap.add_argument("--phases", default="alone,shared", help="among alone, shared, parity (default alone,shared)")
     ap.add_argument("--shared", type=int, default=5, help="trainers sharing the GPU in the shared phase (default 5)")
     ap.add_argument("--restore", type=int, default=2, help="how many of them are stopped and restored (default 2)")
     args = ap.parse_args()
@@ -218,6 +222,23 @@ def main() -> int:
                 runs["F1"] = (run, pid)
                 report["snapshots"].append({"trainer": "F1", **info})
                 report["windows"].append(window("shared: F1 after leave-running", runs, args.phase_s))
+            save()
+        if "parity" in phases:
+            names = [f"T{i + 1}" if i < args.restore else f"F{i + 1 - args.restore}" for i in range(args.shared)]
+            runs = settled({name: start(f"parity-{name}", 16) for name in names})
+            report["windows"].append(window("parity: all fresh", runs, args.phase_s))
+            driver = cuda.load()
+            for name in [n for n in runs if n.startswith("T")]:
+                pid, t0 = runs[name][1], time.time()
+                driver.lock(pid, 30_000)
+                try:
+                    driver.checkpoint(pid)
+                    driver.restore(pid)
+                finally:
+                    driver.unlock(pid)
+                report["snapshots"].append({"trainer": name, "in_place_toggle_s": time.time() - t0})
+            time.sleep(3)
+            report["windows"].append(window("parity: T* toggled in place", runs, args.phase_s))
             save()
     finally:
         for t in trainers:
