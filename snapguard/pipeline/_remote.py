@@ -5,17 +5,23 @@ A restore from a store fetches the image into a private directory, every span ch
 the manifest as it arrives, takes the job's next fencing epoch (one restore of a race wins, the
 other is FENCED and changes nothing), and restores it through the one sequence without reading
 the image a second time: the digests computed while it was written are handed to verification,
-bound to the files' inodes. A refusal names the job's file checkpoint, when one is known, so the
-caller can fall back knowing why.
+bound to the files' inodes. The restore's host checks (privileges, CRIU, the CUDA plugin, NVML),
+which do not depend on the image, run in a thread while the image is fetched; the restore's
+preflight reuses them (`Fetched.host_checks`) and checks the fetched manifest against them. A
+refusal names the job's file checkpoint, when one is known, so the caller can fall back knowing
+why.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+from .. import preflight
 from ..config import Config
 from ..reasons import Reason, SnapguardError
 from ._request import Request, Timeouts
@@ -112,11 +118,37 @@ class Fetched:
     seconds: float
     verified: tuple[tuple[str, str, int, int], ...]  # digests bound to the written files' inodes
     fallback: str | None  # the job's file checkpoint, named by a refusal of the restore that follows
+    # the restore's host checks, run while the image was fetched (None: they could not run ahead,
+    # and the restore's preflight runs them itself)
+    host_checks: preflight.HostChecks | None = None
 
     def summary(self) -> dict[str, Any]:
         """What a restore's result record says of the fetch."""
         return {"fence_epoch": self.epoch, "store": self.store_url, "job": self.job, "store_image": self.image,
                 "fetch": {"bytes": self.bytes, "seconds": self.seconds}}
+
+
+class _HostChecksAhead:
+    """The restore's host checks (`preflight.host_checks_ahead`) in a thread of their own, started
+    at once; `result()` waits for them. Every child they start runs under its own deadline and
+    NVML under its own, so the wait ends. A check that raises is a result; anything else that
+    escapes gives None, and the restore's preflight then runs the checks itself, as before."""
+
+    def __init__(self, config: Config) -> None:
+        self._value: preflight.HostChecks | None = None
+        self._thread = threading.Thread(target=self._run, args=(config,), name="snapguard host-checks", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: Config) -> None:
+        try:
+            self._value = preflight.host_checks_ahead(config)
+        except Exception:  # noqa: BLE001 - run again, in the preflight, where it is typed as before
+            self._value = None
+
+    def result(self) -> preflight.HostChecks | None:
+        t = time.monotonic()
+        self._thread.join()
+        return None if self._value is None else replace(self._value, waited_s=time.monotonic() - t)
 
 
 def fetch_fenced(url: str, config: Config, *, job: str | None = None, image: str | None = None,
@@ -125,7 +157,23 @@ def fetch_fenced(url: str, config: Config, *, job: str | None = None, image: str
     """Fetch the job's image (verified while written) and take the job's next fencing epoch: of
     two restores racing, one wins and the other is FENCED, its fetched copy removed. On any
     refusal the SnapguardError's evidence names the job and its file checkpoint (`file_checkpoint`,
-    else the newest registered in the store) when known."""
+    else the newest registered in the store) when known.
+
+    The restore's host checks run meanwhile, in a thread that is always waited for before this
+    returns or raises; their results come back in `Fetched.host_checks`, for `restore(...,
+    host_checks=)`. A host that fails them is refused by that restore's preflight, after the
+    fetch, with the reason it always had."""
+    ahead = _HostChecksAhead(config)
+    try:
+        got = _fetch_fenced(url, config, job=job, image=image, images=images, file_checkpoint=file_checkpoint,
+                            progress_stream=progress_stream)
+    finally:
+        host_checks = ahead.result()
+    return replace(got, host_checks=host_checks)
+
+
+def _fetch_fenced(url: str, config: Config, *, job: str | None, image: str | None, images: str | None,
+                  file_checkpoint: str | None, progress_stream: TextIO | None) -> Fetched:
     fallback = file_checkpoint
     try:
         from .. import trust
@@ -176,14 +224,15 @@ def restore_from(url: str, config: Config, *, job: str | None = None, image: str
                  images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
                  device_map: tuple[tuple[str, str], ...] | None = None,
                  progress_stream: TextIO | None = None) -> dict[str, Any]:
-    """Fetch, fence and restore a bare process tree (`fetch_fenced`, then the one restore
-    sequence, which reads the image once more only for what was not verified as it was written)."""
+    """Fetch, fence and restore a bare process tree (`fetch_fenced`, the host checks running
+    meanwhile, then the one restore sequence, which reads the image once more only for what was
+    not verified as it was written)."""
     got = fetch_fenced(url, config, job=job, image=image, images=images, file_checkpoint=file_checkpoint,
                        progress_stream=progress_stream)
     try:
         req = Request(got.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
                       device_map=device_map, verified_digests=got.verified)
-        result = restore(CriuRunner(config.criu), req, config)
+        result = restore(CriuRunner(config.criu), req, config, host_checks=got.host_checks)
     except SnapguardError as e:
         mark_fallback(e, got.job, got.fallback)
         raise

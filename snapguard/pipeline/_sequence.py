@@ -355,14 +355,22 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     return states
 
 
-def restore(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
-    """Restore req.image_dir through the runner; a result record, or SnapguardError."""
+def restore(runner: Runner, req: Request, config: Config, *,
+            host_checks: preflight.HostChecks | None = None) -> dict[str, Any]:
+    """Restore req.image_dir through the runner; a result record, or SnapguardError.
+    `host_checks`: the host checks already run for this restore (while its image was fetched):
+    the preflight reuses those that match the manifest's needs and runs the rest; the timings
+    then say how long they took (`host_checks_s`, not part of `total_s`) and how long the
+    restore waited for them after the fetch (`host_checks_wait_s`)."""
     steps = _Steps()
+    if host_checks is not None:
+        steps.timings["host_checks_s"] = host_checks.seconds
+        steps.timings["host_checks_wait_s"] = host_checks.waited_s
     with steps.step("preflight", Reason.PREFLIGHT_FAILED, image=req.image_dir):
         report = preflight.manifest_report(req.image_dir, config, criu=config.criu, exact=True,
                                            verified={name: (digest, (dev, ino))
                                                      for name, digest, dev, ino in req.verified_digests},
-                                           defer_digests=True)
+                                           defer_digests=True, ahead=host_checks)
         manifest = report.facts.get("manifest")
         digests = _Digests(report.facts["inspected"], held=_held(manifest)) if manifest is not None else None
         if digests is not None and not digests.held:

@@ -4,6 +4,10 @@ Public API: `node_report`, `pid_report`, `container_report`, `manifest_report`, 
 `Report` whose `exit_code` is 0 (ready), 1 (blocked) or 2 (could not check); and the building
 blocks the snapshot pipeline runs itself, `host_checks` and `workload_checks`.
 
+`host_checks_ahead` runs the host checks before the image they are for is known (a restore from
+a store runs them while the image is fetched) into a `HostChecks`; `manifest_report(...,
+ahead=)` then reuses each result whose inputs match what the manifest needs and runs the rest.
+
 A node report is scoped by capability (`CAPABILITIES`: host-netns-containers, own-netns-containers,
 bare-processes, gpu, tcp-carry): each is ready or blocked by the checks it needs, and the exit
 status follows the capabilities in `require` (default: `default_requirements()`).
@@ -12,7 +16,9 @@ status follows the capabilities in `require` (default: `default_requirements()`)
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import image, procfs, runc
@@ -32,23 +38,76 @@ from .workload import run_checks as workload_checks
 T = TypeVar("T")
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
-           "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
-           "manifest_report", "node_report", "pid_report", "workload_checks"]
+           "HostChecks", "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
+           "host_checks_ahead", "manifest_report", "node_report", "pid_report", "workload_checks"]
+
+
+def _host_plan(report: Report, config: Config, gpu_required: bool, criu: str,
+               network_lock: bool) -> list[tuple[str, tuple[Any, ...], Callable[[], list[Finding]]]]:
+    """The host checks in the order they run: (name, what its outcome depends on beyond the host
+    and the config, the check)."""
+    return [
+        ("privileges", (), host.check_privileges),
+        ("criu", (criu,), lambda: host.check_criu(criu, config.state_dir, report.facts)),
+        *([("network-lock", (), host.check_network_lock)] if network_lock else []),
+        ("cuda-plugin", (gpu_required,), lambda: host.check_cuda_plugin(config, gpu_required)),
+        ("nvidia-driver", (), lambda: _driver_checks(report)),
+    ]
+
+
+@dataclass(frozen=True)
+class HostChecks:
+    """Host checks run ahead of the image they are for (`host_checks_ahead`): each check's result
+    and the facts it left, keyed by what its outcome depended on. `seconds`: how long they took;
+    `waited_s`: how long the caller then waited for them (set by whoever ran them in a thread)."""
+
+    config: dict[str, object]  # Config.as_dict() of the run: results of another config are not reused
+    host: dict[str, Any]  # procfs.host_facts()
+    results: tuple[tuple[str, tuple[Any, ...], CheckResult, dict[str, Any]], ...]
+    seconds: float
+    waited_s: float = 0.0
+
+    def result(self, name: str, key: tuple[Any, ...]) -> tuple[CheckResult, dict[str, Any]] | None:
+        return next(((r, facts) for n, k, r, facts in self.results if n == name and k == key), None)
+
+
+def host_checks_ahead(config: Config, criu: str | None = None, gpu_required: bool | None = None,
+                      network_lock: bool = True) -> HostChecks:
+    """The host checks before the image is known. Assumed unless given: the image uses the GPU
+    where this node has an NVIDIA driver, and the network lock is checked (cheap; a manifest that
+    needs none drops it). `host_checks(..., ahead=)` runs anew whatever the manifest turns out to
+    need otherwise."""
+    t = time.monotonic()
+    report = Report("--host")
+    report.facts["host"] = procfs.host_facts()
+    gpu_required = os.path.exists(gpu.NVIDIA_DRIVER) if gpu_required is None else gpu_required
+    results = []
+    for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
+        before = dict(report.facts)
+        report.run(name, check)
+        left = {k: v for k, v in report.facts.items() if k not in before or before[k] is not v}
+        results.append((name, key, report.checks[-1], left))
+    return HostChecks(config.as_dict(), report.facts["host"], tuple(results), time.monotonic() - t)
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
-                network_lock: bool = True) -> None:
+                network_lock: bool = True, ahead: HostChecks | None = None) -> None:
     """The checks every snapshot and restore needs from the host; `criu` overrides the pinned one.
     `network_lock`: CRIU will lock the network with iptables (a namespace of the tree's own, or
     connections to the outside). Leaves the GPU inventory in `report.facts["gpu"]` (NVML is read
-    once per run; the process model takes the CUDA pids from it)."""
-    report.facts["host"] = procfs.host_facts()
-    report.run("privileges", host.check_privileges)
-    report.run("criu", lambda: host.check_criu(criu or config.criu, config.state_dir, report.facts))
-    if network_lock:
-        report.run("network-lock", host.check_network_lock)
-    report.run("cuda-plugin", lambda: host.check_cuda_plugin(config, gpu_required))
-    report.run("nvidia-driver", lambda: _driver_checks(report))
+    once per run; the process model takes the CUDA pids from it). `ahead`: results of
+    `host_checks_ahead` under the same config, taken where a check's inputs match, in the same
+    order; the checks it has no matching result for run now."""
+    if ahead is not None and ahead.config != config.as_dict():
+        ahead = None
+    report.facts["host"] = dict(ahead.host) if ahead is not None else procfs.host_facts()
+    for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
+        done = ahead.result(name, key) if ahead is not None else None
+        if done is None:
+            report.run(name, check)
+        else:
+            report.checks.append(done[0])
+            report.facts.update(done[1])
 
 
 NVML_DEADLINE_S = 30.0
@@ -156,9 +215,10 @@ def container_report(container_id: str, runc_root: str | None, config: Config) -
 
 def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False,
                     verified: dict[str, tuple[str, tuple[int, int]]] | None = None,
-                    defer_digests: bool = False) -> Report:
+                    defer_digests: bool = False, ahead: HostChecks | None = None) -> Report:
     """Can this host restore the image whose manifest (or image directory) is at `path`?
-    `verified`: digests computed while the files were written (see image.verify).
+    `verified`: digests computed while the files were written (see image.verify). `ahead`: the
+    host checks already run (`host_checks_ahead`), reused where they match the manifest's needs.
 
     The image is verified first (marker, manifest, checksums); its manifest lands in
     `report.facts["manifest"]`. With `defer_digests` the checksums are left to the caller:
@@ -181,7 +241,7 @@ def manifest_report(path: str, config: Config, criu: str | None = None, exact: b
     report.checks.append(CheckResult("image"))
     report.facts["manifest"] = manifest
     host_checks(report, config, gpu_required=image_uses_gpu(manifest), criu=criu,
-                network_lock=image_needs_network_lock(manifest))
+                network_lock=image_needs_network_lock(manifest), ahead=ahead)
     report.run("image-vs-host", lambda: image.compare_with_host(
         manifest, {**report.facts["host"], "mem_available": procfs.mem_available_bytes()},
         str(report.facts.get("criu_version", "unknown"))))

@@ -3,7 +3,8 @@
 `--from URL` (with `--from-job J`, `--from-image NAME`), snapguard's own and only right after the
 verb, restores from an image store: the job's newest whole image is fetched into --image-path (a
 new or empty directory), verified as it is written, the job's next fencing epoch taken, and runc
-restores it with those flags taken out. A refusal names the job's file checkpoint, when one is
+restores it with those flags taken out; the host checks of the restore's preflight run while the
+image is fetched (`pipeline.fetch_fenced`). A refusal names the job's file checkpoint, when one is
 registered, in the failure record's evidence.
 """
 
@@ -37,7 +38,7 @@ def restore(config: Config, args: list[str], opts: GlobalOptions, sub: Subcomman
                                  container_id=sub.container_id, log=opts.log, log_format=opts.log_format,
                                  pid_file=sub.value("pid-file"))
     try:
-        result = pipeline.restore(runner, req, config)
+        result = pipeline.restore(runner, req, config, host_checks=fetched.host_checks if fetched else None)
     except SnapguardError as e:
         if fetched is not None:
             pipeline.mark_fallback(e, fetched.job, fetched.fallback)

@@ -70,6 +70,8 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
         record = json.loads((work / RESULT_NAME).read_text())
         assert record["ok"] and record["fence_epoch"] == 1 and record["job"] == "ctr-job"
         assert record["fetch"]["bytes"] > 0
+        # the host checks ran while the image was fetched, and the preflight reused them
+        assert {"host_checks_s", "host_checks_wait_s"} <= set(record["timings"]), record["timings"]
         # the store now holds epoch 1: the old node's late push of its image is refused
         images = [e for e in journal(t) if e["event"] == "snapshot_sealed"][0]["image"]
         old_node = {**env, "SNAPGUARD_STATE_DIR": str(tmp_path / "old-node-state")}  # it never saw epoch 1
