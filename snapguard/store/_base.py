@@ -422,7 +422,8 @@ class Store:
         progress.start(total, f"pull {ref.job}/{ref.name}")
         try:
             for fname, entry in sorted(files.items()):
-                fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                # read and write: a store may copy into a mapping of it (FileStore)
+                fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=dir_fd)
                 try:
                     digest = combine(self._download(prefix + fname, entry["size"], fd, progress))

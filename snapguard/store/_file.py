@@ -8,6 +8,7 @@ half-written object). Nothing is ever followed through a symlink.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -200,39 +201,92 @@ class FileStore(Store):
                 raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} in the store has "
                                      f"{os.fstat(fd).st_size} bytes, manifest says {size}",
                                      evidence={"store": self.url, "key": key})
-            return _copy_spans(fd, out_fd, size, progress)
+            return _copy_spans(fd, out_fd, size, progress, mapped=True)
         finally:
             os.close(fd)
 
 
-def _copy_spans(src: int, out: int, size: int, progress: Progress, parallel: int = 8) -> list[bytes]:
+def _copy_spans(src: int, out: int, size: int, progress: Progress, parallel: int = 8,
+                mapped: bool = False) -> list[bytes]:
     """Copy `size` bytes from src to out at the same offsets, each SPAN by one of `parallel`
     threads (hashlib and the copies let go of the GIL), hashing it as it passes: the span digests
     of the manifest's scheme, computed from the bytes actually copied. A file that ends early
-    yields a short span, whose digest then disagrees with the manifest."""
-    import hashlib
+    yields a short span, whose digest then disagrees with the manifest.
+
+    With `mapped` (a pull, into a local copy opened for reading and writing), a file of several
+    spans is copied into a shared mapping of `out` (preadv straight into it): write(2) to one
+    file holds its inode lock, so threads writing it take turns, while stores through a mapping
+    do not (on the H200's tmpfs 3.5 GB took 1.9 s through pwrite). Only the
+    kernel stores into the mapping (preadv), so a page it cannot allocate fails that call (EFAULT,
+    raised as EIO) instead of raising SIGBUS in this process; the file is sized with ftruncate, not
+    allocated (allocating zeroes every page first, single-threaded), after a check for the space."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ._digest import spans
 
-    def copy(span: tuple[int, int]) -> bytes:
-        off, length = span
-        h, done = hashlib.sha256(), 0
-        while done < length:
-            block = os.pread(src, min(_READ, length - done), off + done)
-            if not block:
-                break
-            h.update(block)
-            view, at = memoryview(block), off + done
-            while view:
-                n = os.pwrite(out, view, at)
-                view, at = view[n:], at + n
-            done += len(block)
-            progress.add(len(block))
-        return h.digest()
-
     todo = spans(size)
     if len(todo) == 1:
-        return [copy(todo[0])]
-    with ThreadPoolExecutor(max_workers=min(parallel, len(todo)), thread_name_prefix="copy") as pool:
-        return list(pool.map(copy, todo))
+        return [_copy_span(src, out, todo[0], progress)]
+    if not mapped:
+        with ThreadPoolExecutor(max_workers=min(parallel, len(todo)), thread_name_prefix="copy") as pool:
+            return list(pool.map(lambda span: _copy_span(src, out, span, progress), todo))
+    import mmap
+
+    fs = os.fstatvfs(out)
+    if fs.f_bavail * fs.f_frsize < size:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {size} bytes to store, "
+                                    f"{fs.f_bavail * fs.f_frsize} free")
+    os.ftruncate(out, size)
+    mapping = mmap.mmap(out, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        view = memoryview(mapping)
+        try:
+            with ThreadPoolExecutor(max_workers=min(parallel, len(todo)), thread_name_prefix="copy") as pool:
+                return list(pool.map(lambda span: _copy_span_mapped(src, view, span, progress), todo))
+        finally:
+            view.release()
+    finally:
+        mapping.close()
+
+
+def _copy_span(src: int, out: int, span: tuple[int, int], progress: Progress) -> bytes:
+    import hashlib
+
+    off, length = span
+    h, done = hashlib.sha256(), 0
+    while done < length:
+        block = os.pread(src, min(_READ, length - done), off + done)
+        if not block:
+            break
+        h.update(block)
+        view, at = memoryview(block), off + done
+        while view:
+            n = os.pwrite(out, view, at)
+            view, at = view[n:], at + n
+        done += len(block)
+        progress.add(len(block))
+    return h.digest()
+
+
+def _copy_span_mapped(src: int, out: memoryview, span: tuple[int, int], progress: Progress) -> bytes:
+    import hashlib
+
+    off, length = span
+    h, done = hashlib.sha256(), 0
+    while done < length:
+        at = off + done
+        with out[at:at + min(_READ, length - done)] as block:
+            try:
+                n = os.preadv(src, [block], at)
+            except OSError as e:
+                if e.errno != errno.EFAULT:
+                    raise
+                raise OSError(errno.EIO, "the pulled copy could not take a page (its file system filled up "
+                                         "or failed)") from None
+            if not n:
+                break
+            with block[:n] as got:
+                h.update(got)
+        done += n
+        progress.add(n)
+    return h.digest()

@@ -3,9 +3,11 @@ rule, verify-while-read, fencing epochs, and restore --from on another "node" (a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -436,3 +438,63 @@ def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path
         proc.kill()
         if restored:
             subprocess.run(["kill", "-9", str(restored)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A tmpfs of 3 spans (a full file system within reach), unmounted after the test."""
+    mnt = tmp_path / "small"
+    mnt.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={3 * SPAN},mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_pull_of_a_file_of_several_spans_and_into_a_full_file_system(tmp_path: Path, sealed: Path,
+                                                                     small_tmpfs: Path) -> None:
+    """A file of several spans is pulled through a shared mapping of the copy (threads do not take
+    turns on its inode lock): bytes and digests as sealed; a copy that cannot fit is refused before
+    a byte is stored, and a page the file system cannot give mid-copy fails the pull (EIO), not the
+    process (SIGBUS)."""
+    img = tmp_path / "img"
+    shutil.copytree(sealed, img)
+    block = os.urandom(1 << 20)
+    (img / "pages-1.img").write_bytes(block * (2 * (SPAN >> 20)) + os.urandom(5))  # 2 spans + 5 bytes
+    fields = {k: v for k, v in image.verify(str(sealed)).items() if k not in ("files", "image_bytes")}
+    image.seal(str(img), fields)
+    store = open_store(f"file://{tmp_path}/store")
+    ref = store.push(str(img), "job1")
+    pulled = store.pull(ref, str(tmp_path / "dest"), durable=False)
+    assert (Path(pulled.image_dir) / "pages-1.img").read_bytes() == (img / "pages-1.img").read_bytes()
+    assert pulled.digests == {n: e["sha256"] for n, e in pulled.manifest["files"].items()}
+    # a file system with less room than the file: ENOSPC before anything is stored, nothing left
+    (small_tmpfs / "filler").write_bytes(block * (2 * (SPAN >> 20)))  # leaves one span free
+    with pytest.raises(OSError) as e:
+        store.pull(ref, str(small_tmpfs / "dest"), durable=False)
+    assert e.value.errno == errno.ENOSPC and not (small_tmpfs / "dest").exists()
+    # room at the check, gone during the copy: another writer fills the file system meanwhile
+    (small_tmpfs / "filler").unlink()
+    stop = threading.Event()
+
+    def fill() -> None:
+        while not stop.is_set():  # as soon as the copy exists, take what it has not yet stored
+            if any((small_tmpfs / "dest2").glob("pages-1.img")):
+                try:
+                    with open(small_tmpfs / "filler2", "wb") as f:
+                        while True:
+                            f.write(block)
+                except OSError:
+                    return
+            time.sleep(0.0005)
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    try:
+        with pytest.raises(OSError) as e:
+            store.pull(ref, str(small_tmpfs / "dest2"), durable=False)
+    finally:
+        stop.set()
+        filler.join()
+    assert e.value.errno in (errno.EIO, errno.ENOSPC) and not (small_tmpfs / "dest2").exists()
