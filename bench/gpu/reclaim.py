@@ -196,6 +196,9 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=100)
     ap.add_argument("--runs", default="warm,cold", help="warm, cold or both (default)")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
+    ap.add_argument("--drop-grads", action="store_true",
+                    help="the trainer's take point drops the stepped optimizer's gradients "
+                         "(SNAPGUARD_TAKE_DROP_GRADS=1): train.py sets them to None before every backward")
     ap.add_argument("--node-fs", choices=("tmpfs", "as-is"), default="tmpfs",
                     help="tmpfs (default): a tmpfs on each node's state directory where /run is not one")
     args = ap.parse_args()
@@ -206,6 +209,8 @@ def main() -> int:
     remap = ngpu >= 2
     extra = args.trainer_args.split()
     gpu_env = {"CUDA_VISIBLE_DEVICES": "0"} if ngpu else {}
+    if args.drop_grads:
+        gpu_env["SNAPGUARD_TAKE_DROP_GRADS"] = "1"
     shutil.rmtree(BASE, ignore_errors=True)
     BASE.mkdir(mode=0o700, parents=True)
     load()  # the config is readable before anything starts
@@ -265,7 +270,7 @@ def _runs(args: argparse.Namespace, facts: dict[str, Any], ngpu: int, remap: boo
     ok = all(r.get("bit_identical") for r in rows + baseline)
     doc = {"ok": ok, "date": time.strftime("%Y-%m-%d"), "gpus": ngpu, "driver": facts.get("driver_version"),
            "steps": args.steps, "at": args.at, "store": "file:// on the machine's disk, fsynced",
-           "node_state_fs": {d: fstype(d) for d in (NODE_A, NODE_B)},
+           "node_state_fs": {d: fstype(d) for d in (NODE_A, NODE_B)}, "drop_grads": args.drop_grads,
            "runs": rows, "baseline": baseline,
            "targets": {"notice_to_image_whole_s": 8.0, "notice_to_first_new_step_s": 12.0}}
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -28,6 +28,11 @@ It also resolves the two things that put GPU handles outside a CUDA context into
                     one, lazily, as after a fork) and shut down in a background thread, outside any
                     snapshot's stall; a take that finds it still up waits for that shutdown, or shuts
                     it down itself, before it answers.
+With SNAPGUARD_TAKE_DROP_GRADS=1 the hold also drops the gradients of the optimizer that just
+stepped (`p.grad = None`, what `zero_grad(set_to_none=True)` does before the next backward), so
+they are neither copied off the GPU nor written into the image: 4 bytes per fp32 parameter. Off
+by default: a trainer that reads `.grad` between `optimizer.step()` and its next backward (a
+gradient norm logged after the step, accumulation across optimizer steps) must leave it off.
 The status answer says both (`gpu_handles_dropped_in_children`, `compile_pool`), which is how the
 executor's preflight knows that the hook is there.
 """
@@ -52,6 +57,7 @@ _HOLD_S = float(os.environ.get("SNAPGUARD_TAKE_HOLD_S", "300"))
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 _ASYNC_COMPILE = "torch._inductor.async_compile"
 _IDLE_STEPS = int(os.environ.get("SNAPGUARD_COMPILE_IDLE_STEPS", "5"))
+_DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
 _POOL_SHUTDOWN_S = 120.0  # the longest a take waits for the pool to go (5.2 s seen on the H200)
 
 
@@ -344,6 +350,18 @@ def _malloc_trim() -> None:
     trim(0)
 
 
+def _drop_grads(optimizer: Any) -> int:
+    """Set the gradients of the optimizer's parameters to None; the bytes they held."""
+    dropped = 0
+    for group in getattr(optimizer, "param_groups", None) or []:
+        for p in group.get("params", []):
+            g = getattr(p, "grad", None)
+            if g is not None:
+                dropped += g.numel() * g.element_size()
+                p.grad = None
+    return dropped
+
+
 class _TakePoint:
     def __init__(self, resolve: bool = False) -> None:
         self.step = 0
@@ -377,7 +395,7 @@ class _TakePoint:
             if holding:
                 self.hold_at = None
         if holding:
-            self._hold()
+            self._hold(optimizer)
         elif self.resolve:
             try:
                 self.pool.on_step()
@@ -399,7 +417,7 @@ class _TakePoint:
             out["resolve_error"] = self.resolve_error
         return out
 
-    def _hold(self) -> None:
+    def _hold(self, optimizer: Any = None) -> None:
         import torch
 
         # First the compile pool (its processes hold NVML handles): gone before the figures.
@@ -414,6 +432,7 @@ class _TakePoint:
         reserved_before = torch.cuda.memory_reserved() if cuda else 0
         host_before = _host_anon_bytes()
         t0 = time.monotonic()
+        grads_dropped = _drop_grads(optimizer) if _DROP_GRADS else None
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -432,6 +451,7 @@ class _TakePoint:
             "host_anon_before": host_before,
             "host_anon_after": _host_anon_bytes(),
             "trim_s": time.monotonic() - t0,
+            **({"grads_dropped_bytes": grads_dropped} if grads_dropped is not None else {}),
             "requested_at": self.requested_at,  # when the take arrived (unix time)
             "held_at": time.time(),
         }

@@ -171,3 +171,26 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         out = c.restore(images, images)
         assert out.returncode == 0, out.stderr
         assert "verify_s" in json.loads(out.stdout)["timings"]
+
+
+def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SNAPGUARD_TAKE_DROP_GRADS=1: the hold sets the stepped optimizer's gradients to None, so the
+    image carries none (Linear(4, 4): 20 fp32 values, 80 bytes), and the trainer steps on after
+    the release; without it they stay."""
+    pytest.importorskip("torch")
+    from snapguard_lab.targets import BareTarget
+
+    for drop, expected in (("1", 80), (None, None)):
+        if drop is None:
+            monkeypatch.delenv("SNAPGUARD_TAKE_DROP_GRADS", raising=False)
+        else:
+            monkeypatch.setenv("SNAPGUARD_TAKE_DROP_GRADS", drop)
+        with BareTarget(tmp_path / f"drop-{drop}", script=HELD_TRAINER, hook=True) as t:
+            t.start(lines=3)
+            images = tmp_path / f"img-{drop}"
+            out = t.checkpoint(images, images, leave_running=True)
+            assert out.returncode == 0, out.stderr
+            (figures,) = image.verify(str(images))["take_point"].values()
+            assert figures.get("grads_dropped_bytes") == expected, figures
+            assert t.advancing(), "the trainer does not step after the release"
