@@ -7,6 +7,7 @@ the ELF does not.
 from __future__ import annotations
 
 import glob
+import os
 
 from ._driver import CHECKPOINT_SYMBOLS
 
@@ -24,8 +25,24 @@ def find_libcuda() -> str | None:
     return None
 
 
+# what each file said, by its identity (device, inode, size, mtime): a long-lived process (the
+# agent, whose host checks run ahead of a notice) parses a libcuda of tens of MB once, not per check
+_READ: dict[tuple[str, int, int, int, int], dict[str, bool]] = {}
+
+
 def libcuda_checkpoint_symbols(path: str) -> dict[str, bool]:
-    """{symbol: exported} for the checkpoint API symbols; raises OSError or ValueError."""
+    """{symbol: exported} for the checkpoint API symbols; raises OSError or ValueError. The file
+    is read once per identity (device, inode, size, mtime) in a process: a driver upgrade replaces
+    it and is read anew."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _READ.get(key)
+    if known is None:
+        known = _READ[key] = _read_symbols(path)
+    return dict(known)
+
+
+def _read_symbols(path: str) -> dict[str, bool]:
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection

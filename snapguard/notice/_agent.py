@@ -15,6 +15,14 @@ written last) and counts as sealed; one without it is discarded, never uploaded 
 workload still running is snapshotted again while its notice is open; one that is gone (CRIU
 finished the dump and ended it, but the seal never happened) is recorded as lost with
 AGENT_SNAPSHOT_INTERRUPTED and its file checkpoint named as the fallback.
+
+Warm host checks: a running agent keeps the snapshot's host checks (privileges, CRIU, the network
+lock, the CUDA plugin: `preflight.host_checks_ahead`) fresh in a thread of its own (`WarmHostChecks`,
+at start and then every `host_checks_every_s`), and the snapshot it takes on a notice reuses those
+that passed when they are at most `host_checks_max_age_s` old; an older or missing result means the
+snapshot runs them itself. NVML's inventory is always read anew (it names the CUDA pids), by the
+snapshot alone: the agent does not call NVML between notices, it only reads libcuda's symbols
+once, ahead, for the snapshot's NVML check.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import files
 from ..config import Config
@@ -40,7 +48,10 @@ from ..names import MARKER_NAME
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._sources import Local, Notice, Source
 
-__all__ = ["Agent", "ImageStore", "Registry", "agent_dir", "post_notice", "read_journal"]
+if TYPE_CHECKING:
+    from ..preflight import HostChecks
+
+__all__ = ["Agent", "ImageStore", "Registry", "WarmHostChecks", "agent_dir", "post_notice", "read_journal"]
 
 JOURNAL = "journal.jsonl"
 REGISTRY = "registry.json"
@@ -230,11 +241,110 @@ def _end_strays(image: str, wait_s: float = 10.0) -> list[int]:
     return strays
 
 
+HOST_CHECKS_EVERY_S = 60.0
+
+
+def _warm_run(config: Config) -> HostChecks:
+    """The host checks a snapshot may reuse, less NVML's inventory (it never reuses that one: the
+    agent does not call NVML between notices); libcuda's checkpoint symbols, which the snapshot's
+    NVML check reads, are read here once (remembered per file identity in this process)."""
+    from .. import pipeline, preflight
+    from ..cuda import find_libcuda, libcuda_checkpoint_symbols
+
+    value = preflight.host_checks_ahead(config, leave=pipeline.FRESH_HOST_CHECKS)
+    libcuda = find_libcuda()
+    if libcuda is not None:
+        with contextlib.suppress(OSError, ValueError):  # the snapshot's own check says what is wrong
+            libcuda_checkpoint_symbols(libcuda)
+    return value
+
+
+class WarmHostChecks:
+    """The snapshot's host checks (`preflight.host_checks_ahead`) kept warm for a notice: run in a
+    daemon thread at `start()`, then every `every_s`; `latest()` hands the newest result no older
+    than `max_age_s` (default twice `every_s`; age from when the checks began), else None, and
+    never waits for a run under way (a lock held only to read or swap the result). A run that
+    raises leaves the previous result to age out. No run starts while `acting()` (a snapshot
+    under way); each child a run starts keeps its own deadline, so `stop()` waits at most
+    `wait_s` for one under way, and the thread (a daemon) ends with the agent in any case."""
+
+    THREAD = "snapguard warm host-checks"
+
+    def __init__(self, config: Config, every_s: float = HOST_CHECKS_EVERY_S, max_age_s: float | None = None, *,
+                 run: Callable[[Config], HostChecks] | None = None,
+                 said: Callable[[HostChecks | None, str | None], None] | None = None) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0, not {every_s}")
+        self.config = config
+        self.every_s = every_s
+        self.max_age_s = 2 * every_s if max_age_s is None else max_age_s
+        self._run = run
+        self._said = said  # after each run: (its result, None) or (None, why it did not run)
+        self._lock = threading.Lock()
+        self._value: HostChecks | None = None
+        self._stop = threading.Event()
+        self._acting = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.runs = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self.THREAD, daemon=True)
+        self._thread.start()
+
+    def stop(self, wait_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @contextlib.contextmanager
+    def acting(self) -> Iterator[None]:
+        """While a notice is acted on: no new run starts (one under way finishes)."""
+        self._acting.set()
+        try:
+            yield
+        finally:
+            self._acting.clear()
+
+    def latest(self) -> HostChecks | None:
+        with self._lock:
+            value = self._value
+        return value if value is not None and value.age_s() <= self.max_age_s else None
+
+    def refresh(self) -> HostChecks | None:
+        """One run, now, in the caller's thread; its result (None when it raised)."""
+        try:
+            value = (self._run or _warm_run)(self.config)
+        except Exception as e:  # noqa: BLE001 - the snapshot then runs the checks itself, typed as ever
+            self.runs += 1
+            if self._said is not None:
+                self._said(None, failure_from(e).message)
+            return None
+        with self._lock:
+            self._value = value
+        self.runs += 1
+        if self._said is not None:
+            self._said(value, None)
+        return value
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._acting.is_set():
+                self._stop.wait(0.2)
+                continue
+            self.refresh()
+            self._stop.wait(self.every_s)
+
+
 class Agent:
     def __init__(self, config: Config, sources: list[Source], *, store_url: str | None = None,
                  images: str | None = None, interval_s: float = 5.0,
                  log: Callable[[str], None] | None = None, containerd: Any = None,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, host_checks_every_s: float | None = HOST_CHECKS_EVERY_S,
+                 host_checks_max_age_s: float | None = None) -> None:
         self.config = config
         self.dir = agent_dir(config)
         self.images = files.ensure_private_dir(images or os.path.join(self.dir, IMAGES))
@@ -251,6 +361,11 @@ class Agent:
         self.containerd = containerd  # a _containerd.ContainerdWatch: annotated containers join the registry
         self.keep = keep  # after an upload, the job's older images beyond this many whole ones are pruned
         self._skipped_said: set[str] = set()
+        # the snapshot's host checks, kept warm while the agent runs (None: off, or --once)
+        self.host_checks_every_s = host_checks_every_s
+        self.host_checks_max_age_s = host_checks_max_age_s
+        self.warm: WarmHostChecks | None = None
+        self._host_checks_said: tuple[tuple[str, str], ...] | str | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -470,6 +585,16 @@ class Agent:
                          deadline=notice.deadline, lead_s=notice.lead_s)
             lead = f", {notice.lead_s:.0f} s left" if notice.lead_s is not None else ""
             self.log(f"notice {notice.id} from {notice.source}: {notice.detail}{lead}")
+        with self.warm.acting() if self.warm is not None else contextlib.nullcontext():
+            self._act(notice)
+        seen = self._notices()
+        seen[notice.id]["status"] = "done"
+        seen[notice.id]["done"] = time.time()
+        self._save_notices(seen)
+        self.journal("notice_done", notice=notice.id)
+        return True
+
+    def _act(self, notice: Notice) -> None:
         self.sync_containers()  # what runs now, not what ran at the last sync
         for key, w in sorted(self.registry.load().items()):
             if w.get("state") != "protected":
@@ -482,12 +607,6 @@ class Agent:
             image = self._snapshot(key, w, notice)
             if image and self.store_url and not self.registry.load().get(key, {}).get("uploaded"):
                 self._upload(key, {**w, "image": image})  # not streamed, or the stream failed: push it whole
-        seen = self._notices()
-        seen[notice.id]["status"] = "done"
-        seen[notice.id]["done"] = time.time()
-        self._save_notices(seen)
-        self.journal("notice_done", notice=notice.id)
-        return True
 
     def _consume_inbox(self, notice: Notice) -> None:
         path = (notice.raw or {}).get("path") if notice.source == "local" and isinstance(notice.raw, dict) else None
@@ -530,7 +649,8 @@ class Agent:
             files.ensure_private_dir(image)
             stream = self._start_stream(key, w, image) if self.store_url else None
             req = pipeline.Request(image, leave_running=False, timeouts=pipeline.Timeouts.from_config(self.config))
-            result = pipeline.checkpoint(self._runner(w, image), req, self.config)
+            warm = self.warm.latest() if self.warm is not None else None  # never waits for a run
+            result = pipeline.checkpoint(self._runner(w, image), req, self.config, host_checks=warm)
         except Exception as e:
             if stream is not None:
                 stream.abort()
@@ -550,7 +670,9 @@ class Agent:
                      image_bytes=result.get("image_bytes"), timings=result.get("timings"),
                      criu_marks=result.get("criu_marks"))
         self.registry.update(key, state="snapshotted", image=image, uploaded=False, notice=notice.id)
-        self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s)")
+        age = (result.get("timings") or {}).get("host_checks_age_s")
+        self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s"
+                 + (f", host checks of {age:.0f} s ago reused)" if age is not None else ")"))
         if stream is not None:
             self._finish_stream(key, w, image, stream, start)
         return image
@@ -707,20 +829,46 @@ class Agent:
             return 1 if any(self._source_state.values()) else 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
+        if self.host_checks_every_s:
+            self.warm = WarmHostChecks(self.config, self.host_checks_every_s, self.host_checks_max_age_s,
+                                       said=self._note_host_checks)
+            self.warm.start()
         for src in self.sources:
             threading.Thread(target=self._watch, args=(src,), name=f"notice-{src.name}", daemon=True).start()
         synced = time.monotonic()
-        while not self._stop.is_set():
-            if time.monotonic() - synced >= max(30.0, self.interval_s):
-                self.sync_containers()  # so that `snapguard protect --list` shows them between notices
-                synced = time.monotonic()
-            try:
-                n = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self.handle(n)
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() - synced >= max(30.0, self.interval_s):
+                    self.sync_containers()  # so that `snapguard protect --list` shows them between notices
+                    synced = time.monotonic()
+                try:
+                    n = self._queue.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                self.handle(n)
+        finally:
+            if self.warm is not None:
+                self.warm.stop()
         self.log("stopping")
         return 0
+
+    def _note_host_checks(self, value: HostChecks | None, error: str | None) -> None:
+        """Journal (and log) the warm host checks when what they say changes, not every run."""
+        def word(r: Any) -> str:  # ok, warning, or the typed reason it blocks or could not run with
+            reason = r.reason or (r.blockers[0].reason if r.blockers else None)
+            return str(reason.name) if reason is not None else str(r.status)
+
+        checks = {name: word(result) for name, _, result, _ in value.results} if value is not None else {}
+        state: tuple[tuple[str, str], ...] | str = str(error) if value is None else tuple(checks.items())
+        if state == self._host_checks_said:
+            return
+        self._host_checks_said = state
+        if value is None:
+            self.journal("host_checks", error=error)
+            self.log(f"the host checks could not run ahead ({error}); a snapshot runs them itself")
+            return
+        self.journal("host_checks", checks=checks, seconds=round(value.seconds, 3))
+        self.log("host checks kept warm for a notice: " + ", ".join(f"{k} {v}" for k, v in checks.items()))
 
 
 def local_source(config: Config) -> Local:

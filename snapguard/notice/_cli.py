@@ -26,6 +26,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_off(text: str) -> float:
+    """Seconds > 0, or 0: off."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return _seconds(text)
+
+
 AGENT_EPILOG = """\
 sources (--source, repeatable; default: local only):
   aws    EC2 spot instance-action through IMDSv2 (token first), 2 minutes' lead
@@ -38,6 +48,16 @@ On a notice the agent takes one stopping snapshot of each workload `snapguard pr
 into --images (a private local directory), then, with --store URL, puts it into the image store.
 A notice seen twice is acted on once; the journal in <state_dir>/agent/journal.jsonl records every
 step, and a restarted agent discards an image left without its completion marker.
+
+
+Warm host checks (not with --once): while it waits, the agent runs the snapshot's host checks
+(privileges, CRIU and `criu check`, the network lock, the CUDA plugin) in a thread, at start and
+every --host-checks-every seconds (default 60; none starts while it acts on a notice). A snapshot
+on a notice reuses those that passed when they are at most twice that old, and its timings (the
+journal's snapshot_sealed line) say host_checks_age_s; with an older result or none, the
+snapshot's own preflight runs them, as without the agent, and a check that failed ahead runs
+again there. NVML's GPU inventory (it names the CUDA pids) is always read anew.
+
 Exit (--once): 0 done, 1 a source could not be read (typed line), 2 usage or configuration.
 """
 
@@ -57,6 +77,9 @@ def add_parsers(sub: Any) -> None:
                     help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
     ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
                                                          "act, exit")
+    ag.add_argument("--host-checks-every", type=_seconds_or_off, default=60.0, metavar="S",
+                    help="seconds between runs of the snapshot's host checks kept warm for a notice; a result "
+                         "older than 2*S is not used (default 60; 0: off, each snapshot runs them itself)")
     ag.add_argument("--keep", type=int, metavar="N", help="after each upload, keep the job's N newest whole images "
                     "in the store and delete the older ones (default: delete nothing)")
     ag.add_argument("--containerd", action="store_true",
@@ -161,7 +184,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     config = load()
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
                   log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args),
-                  keep=args.keep)
+                  keep=args.keep, host_checks_every_s=args.host_checks_every or None)
     return agent.run(once=args.once)
 
 

@@ -14,12 +14,14 @@ from typing import Any
 from ..config import Config
 from ..files import write_private_json
 from ..names import RESULT_NAME
+from ..preflight import HostChecks
 from ._request import NETWORK_LOCKS as NETWORK_LOCKS
 from ._request import Request as Request
 from ._request import Timeouts as Timeouts
 from ._runners import CriuRunner as CriuRunner
 from ._runners import Runner as Runner
 from ._runners import RuncRunner as RuncRunner
+from ._sequence import FRESH_HOST_CHECKS as FRESH_HOST_CHECKS
 from ._sequence import checkpoint as checkpoint
 from ._sequence import restore as restore
 from ._remote import Fetched as Fetched
@@ -30,17 +32,18 @@ from ._remote import pull_image as pull_image
 from ._remote import push_image as push_image
 from ._remote import restore_from as restore_from
 
-__all__ = ["NETWORK_LOCKS", "CriuRunner", "Fetched", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
+__all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "CriuRunner", "Fetched", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
            "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images",
            "write_record"]
 
 
 def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
-                   tcp_established: bool = False, take_wait_s: float | None = None) -> dict[str, Any]:
-    """Snapshot the bare process tree rooted at pid into `images`."""
+                   tcp_established: bool = False, take_wait_s: float | None = None,
+                   host_checks: HostChecks | None = None) -> dict[str, Any]:
+    """Snapshot the bare process tree rooted at pid into `images` (`host_checks`: see checkpoint)."""
     req = Request(images, leave_running=leave_running, tcp_established=tcp_established,
                   timeouts=Timeouts.from_config(config, take_wait_s))
-    return checkpoint(CriuRunner(config.criu, pid), req, config)
+    return checkpoint(CriuRunner(config.criu, pid), req, config, host_checks=host_checks)
 
 
 def restore_images(images: str, config: Config, *, tcp_established: bool = False) -> dict[str, Any]:

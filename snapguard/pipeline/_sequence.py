@@ -108,9 +108,23 @@ def _record(result: dict[str, Any], steps: _Steps, log: str) -> dict[str, Any]:
     return {**result, "ok": True, "timings": steps.done(), "criu_marks": criu.log_marks(log)}
 
 
-def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
-    """Snapshot the runner's target into req.image_dir; a result record, or SnapguardError."""
+# Host checks a snapshot never takes from an earlier run: NVML's inventory names the CUDA pids (and
+# their GPU memory) of the moment, which the snapshot suspends and records
+FRESH_HOST_CHECKS = ("nvidia-driver",)
+
+
+def checkpoint(runner: Runner, req: Request, config: Config, *,
+               host_checks: preflight.HostChecks | None = None) -> dict[str, Any]:
+    """Snapshot the runner's target into req.image_dir; a result record, or SnapguardError.
+    `host_checks`: host checks run earlier (`preflight.host_checks_ahead`, kept warm by the agent):
+    the preflight reuses those that passed and whose inputs match (CRIU path, whether the GPU is
+    needed, the config) and runs the rest, NVML's inventory always; the timings then carry
+    `host_checks_age_s`, how old they were."""
     steps = _Steps()
+    ahead = None
+    if host_checks is not None and host_checks.config == config.as_dict():  # another config's: none reused
+        steps.timings["host_checks_age_s"] = host_checks.age_s()
+        ahead = host_checks.passed(leave=FRESH_HOST_CHECKS)
     with steps.step("preflight", Reason.PREFLIGHT_FAILED):
         pid = runner.target_pid()
         tree = procfs.process_tree(pid)
@@ -119,7 +133,7 @@ def checkpoint(runner: Runner, req: Request, config: Config) -> dict[str, Any]:
         own_netns = procfs.own_netns(pid)
         conns = procfs.tree_tcp(inv) if req.tcp_established else []
         network_lock, needs_iptables = _network_lock(req, own_netns, conns)
-        preflight.host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=needs_iptables)
+        preflight.host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=needs_iptables, ahead=ahead)
         inv.attach_gpu(report.facts.get("gpu"))
         found = take.trainers(tree)
         preflight.workload_checks(report, inv, req.tcp_established, trainers=found)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .. import image, procfs, runc
@@ -66,28 +66,42 @@ class HostChecks:
     results: tuple[tuple[str, tuple[Any, ...], CheckResult, dict[str, Any]], ...]
     seconds: float
     waited_s: float = 0.0
+    started: float = 0.0  # time.monotonic() when they began: their age is measured from it
 
     def result(self, name: str, key: tuple[Any, ...]) -> tuple[CheckResult, dict[str, Any]] | None:
         return next(((r, facts) for n, k, r, facts in self.results if n == name and k == key), None)
 
+    def age_s(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.started
+
+    def passed(self, leave: tuple[str, ...] = ()) -> HostChecks:
+        """Only the checks that passed (ran, no blocker), less those named in `leave`: what a later
+        run (a snapshot on a notice) may reuse. A check that failed or could not run then runs
+        anew, so a transient failure minutes ago does not refuse it, and its reason is today's."""
+        return replace(self, results=tuple(r for r in self.results
+                                           if r[0] not in leave and not r[2].error
+                                           and r[2].status != "blocked"))
+
 
 def host_checks_ahead(config: Config, criu: str | None = None, gpu_required: bool | None = None,
-                      network_lock: bool = True) -> HostChecks:
+                      network_lock: bool = True, leave: tuple[str, ...] = ()) -> HostChecks:
     """The host checks before the image is known. Assumed unless given: the image uses the GPU
     where this node has an NVIDIA driver, and the network lock is checked (cheap; a manifest that
     needs none drops it). `host_checks(..., ahead=)` runs anew whatever the manifest turns out to
-    need otherwise."""
+    need otherwise. `leave`: checks not run (the caller would not reuse them)."""
     t = time.monotonic()
     report = Report("--host")
     report.facts["host"] = procfs.host_facts()
     gpu_required = os.path.exists(gpu.NVIDIA_DRIVER) if gpu_required is None else gpu_required
     results = []
     for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
+        if name in leave:
+            continue
         before = dict(report.facts)
         report.run(name, check)
         left = {k: v for k, v in report.facts.items() if k not in before or before[k] is not v}
         results.append((name, key, report.checks[-1], left))
-    return HostChecks(config.as_dict(), report.facts["host"], tuple(results), time.monotonic() - t)
+    return HostChecks(config.as_dict(), report.facts["host"], tuple(results), time.monotonic() - t, started=t)
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,

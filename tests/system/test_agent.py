@@ -271,3 +271,113 @@ def test_typed_errors(tmp_path: Path, env: dict[str, str]) -> None:
     assert "Traceback" not in out.stderr
     out = snapguard("protect", "--remove", "--pid", "12345", env=env)
     assert out.returncode == 2 and "not registered" in out.stderr
+
+
+# -- warm host checks (issue 13): the snapshot on a notice reuses the agent's recent ones --------
+
+def counting_criu(root: Path) -> tuple[Path, Path]:
+    """A root-only stand-in for CRIU that records each verb with its pid (`check 123`), and whose
+    `check` sleeps 8 s first while the file `hang` beside it exists."""
+    record, hang = root / "criu-calls", root / "hang"
+    path = root / "criu"
+    path.write_text("#!/bin/sh\n"
+                    f'echo "$1 $$" >> "{record}"\n'
+                    f'if [ "$1" = check ] && [ -e "{hang}" ]; then sleep 8; fi\n'
+                    f'exec "{CRIU}" "$@"\n')
+    os.chmod(path, 0o700)
+    return path, record
+
+
+def criu_checks(record: Path) -> list[int]:
+    """The pids of the `criu check` runs so far."""
+    text = record.read_text() if record.exists() else ""
+    return [int(line.split()[1]) for line in text.splitlines() if line.split()[:1] == ["check"]]
+
+
+def test_checkpoint_reuses_host_checks_run_before(tmp_path: Path, env: dict[str, str], counters,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipeline.checkpoint_pid(..., host_checks=) with real CRIU: the host checks that passed are
+    not run again (NVML's inventory is), the timings say how old they were; without them the
+    preflight runs them itself and the timings have no host_checks_age_s."""
+    from snapguard import pipeline, preflight
+    from snapguard.config import load
+    from snapguard.preflight import gpu, host
+
+    config = load(env)
+    seen: list[str] = []
+    for name, fn in (("check_privileges", host.check_privileges), ("check_criu", host.check_criu)):
+        monkeypatch.setattr(host, name, lambda *a, _n=name, _f=fn: seen.append(_n) or _f(*a))
+    monkeypatch.setattr(gpu, "gpu_facts", lambda _f=gpu.gpu_facts: seen.append("nvml") or _f())
+    warm = preflight.host_checks_ahead(config)
+    assert seen == ["check_privileges", "check_criu", "nvml"]
+    time.sleep(0.2)
+    seen.clear()
+    result = pipeline.checkpoint_pid(counters("a").pid, str(tmp_path / "img-a"), config, host_checks=warm)
+    assert seen == ["nvml"], seen  # the CUDA pids come from a fresh inventory
+    assert 0.2 <= result["timings"]["host_checks_age_s"] < 30, result["timings"]
+    seen.clear()
+    result = pipeline.checkpoint_pid(counters("b").pid, str(tmp_path / "img-b"), config)
+    assert seen == ["check_privileges", "check_criu", "nvml"] and "host_checks_age_s" not in result["timings"]
+
+
+def test_agent_snapshot_on_notice_reuses_the_warm_host_checks(tmp_path: Path, env: dict[str, str], counters) -> None:
+    """The running agent runs the host checks at start; the snapshot on a notice reuses them: its
+    preflight runs no `criu check` (the on-disk pass cache removed, so a preflight that ran the
+    CRIU check would run it), and the journal's snapshot_sealed timings carry host_checks_age_s."""
+    wrapper, record = counting_criu(tmp_path)
+    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
+    job = counters("job")
+    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-w", env=env).returncode == 0
+    agent = AgentProc(tmp_path, env, "--host-checks-every", "60")
+    try:
+        warm = agent.wait_event("host_checks")[0]
+        assert warm["checks"]["criu"] == "ok" and warm["checks"]["privileges"] == "ok", warm
+        assert len(criu_checks(record)) == 1  # the warm run's
+        (Path(env["SNAPGUARD_STATE_DIR"]) / "criu-check.json").unlink()
+        assert snapguard("notice", "--reason", "spot", env=env).returncode == 0
+        sealed = agent.wait_event("snapshot_sealed")[0]
+        job.wait(timeout=10)
+        assert len(criu_checks(record)) == 1, record.read_text()  # the snapshot's preflight ran none
+        age = sealed["timings"]["host_checks_age_s"]
+        assert 0 < age < 60, sealed["timings"]
+        assert "host checks of" in agent.text() and len(agent.events("host_checks")) == 1
+    finally:
+        agent.stop()
+    assert agent.proc.returncode == 0, agent.text()[-2000:]
+
+
+def test_agent_snapshot_does_not_use_stale_host_checks(tmp_path: Path, env: dict[str, str], counters) -> None:
+    """--host-checks-every 1: a result older than 2 s is not used. The agent's second run hangs
+    (its `criu check` sleeps), so on the notice the newest result is stale: the snapshot's
+    preflight runs the checks itself (a `criu check` of its own), its timings have no
+    host_checks_age_s, and the hung run does not hold up the notice; the agent still stops."""
+    wrapper, record = counting_criu(tmp_path)
+    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
+    job = counters("job")
+    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-s", env=env).returncode == 0
+    agent = AgentProc(tmp_path, env, "--host-checks-every", "1")
+    try:
+        first = agent.wait_event("host_checks")[0]
+        (tmp_path / "hang").touch()
+        (Path(env["SNAPGUARD_STATE_DIR"]) / "criu-check.json").unlink()
+        wait_for(lambda: len(criu_checks(record)) >= 2, 10, "the warm run's second `criu check`")
+        (tmp_path / "hang").unlink()  # only that one hangs (8 s)
+        time.sleep(max(0.0, first["t"] + 2.5 - time.time()))  # the first result is now over 2 s old
+        t = time.monotonic()
+        assert snapguard("notice", "--reason", "spot", env=env).returncode == 0
+        sealed = agent.wait_event("snapshot_sealed")[0]
+        took = time.monotonic() - t
+        job.wait(timeout=10)
+        assert "host_checks_age_s" not in sealed["timings"], sealed["timings"]
+        assert len(criu_checks(record)) == 3, record.read_text()  # the snapshot ran its own
+        assert took < 7, took  # not held up by the hung warm run
+        t = time.monotonic()
+    finally:
+        agent.stop()
+        for pid in criu_checks(record)[1:2]:  # the hung check (a process group of its own) this test made
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    assert agent.proc.returncode == 0, agent.text()[-2000:]
+    assert time.monotonic() - t < 15

@@ -88,6 +88,25 @@ def test_checkpoint_symbols_read_from_elf(fake_libcuda: tuple[Path, Path]) -> No
         libcuda_checkpoint_symbols(__file__)
 
 
+def test_checkpoint_symbols_read_once_per_file_identity(fake_libcuda: tuple[Path, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived process (the agent) parses a libcuda once; one replaced (a driver upgrade) anew."""
+    from snapguard.cuda import _symbols
+
+    full, old = fake_libcuda
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(full.read_bytes())
+    reads: list[str] = []
+    real = _symbols._read_symbols
+    monkeypatch.setattr(_symbols, "_read_symbols", lambda path: reads.append(path) or real(path))
+    assert all(libcuda_checkpoint_symbols(str(lib)).values())
+    assert all(libcuda_checkpoint_symbols(str(lib)).values()) and len(reads) == 1
+    replaced = tmp_path / "new"
+    replaced.write_bytes(old.read_bytes())
+    os.replace(replaced, lib)
+    assert not any(libcuda_checkpoint_symbols(str(lib)).values()) and len(reads) == 2
+
+
 def test_driver_checks(fake_libcuda: tuple[Path, Path]) -> None:
     full, old = fake_libcuda
     assert gpu.check_driver(HOST, str(full)) == []

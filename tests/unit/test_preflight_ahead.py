@@ -157,3 +157,44 @@ def test_preflight_with_an_image_refused_runs_no_host_check(calls: Calls, config
     report = preflight.manifest_report(str(empty), config, exact=True, ahead=ahead)
     assert [c.name for c in report.checks] == ["image"] and not calls
     assert refusal(report) is Reason.IMAGE_INCOMPLETE
+
+
+def test_a_snapshot_reuses_only_what_passed_and_reads_nvml_anew(calls: Calls, config: Config) -> None:
+    """What a snapshot takes from warm host checks (the agent's): those that passed, never NVML's
+    inventory (it names the CUDA pids of the moment), nor a check that was blocked then: that one
+    runs now, and the report and its refusal are those of a preflight that ran everything."""
+    from snapguard.pipeline._sequence import FRESH_HOST_CHECKS
+
+    calls.lock_blocked = True
+    ahead = preflight.host_checks_ahead(config, gpu_required=False)
+    reusable = ahead.passed(leave=FRESH_HOST_CHECKS)
+    assert [name for name, *_ in reusable.results] == ["privileges", "criu", "cuda-plugin"]
+    assert reusable.started == ahead.started and ahead.age_s() >= 0
+    calls.clear()
+    report = preflight.Report("--pid 1")
+    preflight.host_checks(report, config, gpu_required=False, network_lock=True, ahead=reusable)
+    assert calls == Counter({"network-lock": 1, "nvml": 1})
+    plain = preflight.Report("--pid 1")
+    preflight.host_checks(plain, config, gpu_required=False, network_lock=True)
+    assert shape(report) == shape(plain) and report.facts["criu_version"] == "4.2.1"
+    assert refusal(report) is refusal(plain) is Reason.NETWORK_LOCK_UNAVAILABLE
+    # the lock fixed since: the snapshot passes, not refused by the old result
+    calls.lock_blocked = False
+    again = preflight.Report("--pid 1")
+    preflight.host_checks(again, config, gpu_required=False, network_lock=True, ahead=reusable)
+    assert refusal(again) is None
+    # a GPU tree needs the CUDA plugin as required: checked anew, with today's reason
+    calls.clear()
+    gpu_tree = preflight.Report("--pid 1")
+    preflight.host_checks(gpu_tree, config, gpu_required=True, network_lock=False, ahead=reusable)
+    assert calls == Counter({"cuda-plugin:True": 1, "nvml": 1})
+    assert refusal(gpu_tree) is Reason.CUDA_PLUGIN_UNAVAILABLE
+
+
+def test_the_agents_warm_run_leaves_nvml_alone(calls: Calls, config: Config) -> None:
+    """The agent's warm host checks do not call NVML (the snapshot never reuses its inventory)."""
+    from snapguard.notice._agent import _warm_run
+
+    warm = _warm_run(config)
+    assert calls["nvml"] == 0 and calls["privileges"] == calls["criu"] == 1
+    assert [name for name, *_ in warm.results] == ["privileges", "criu", "network-lock", "cuda-plugin"]
