@@ -320,14 +320,20 @@ def test_checkpoint_reuses_host_checks_run_before(tmp_path: Path, env: dict[str,
     assert seen == ["check_privileges", "check_criu", "nvml"] and "host_checks_age_s" not in result["timings"]
 
 
+def protected_with_counting_criu(tmp_path: Path, env: dict[str, str], counters, job_name: str):
+    """A counter protected as `job_name`, under a config whose CRIU counts its `check` runs."""
+    wrapper, record = counting_criu(tmp_path)
+    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
+    job = counters("job")
+    assert snapguard("protect", "--pid", str(job.pid), "--job", job_name, env=env).returncode == 0
+    return record, job
+
+
 def test_agent_snapshot_on_notice_reuses_the_warm_host_checks(tmp_path: Path, env: dict[str, str], counters) -> None:
     """The running agent runs the host checks at start; the snapshot on a notice reuses them: its
     preflight runs no `criu check` (the on-disk pass cache removed, so a preflight that ran the
     CRIU check would run it), and the journal's snapshot_sealed timings carry host_checks_age_s."""
-    wrapper, record = counting_criu(tmp_path)
-    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
-    job = counters("job")
-    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-w", env=env).returncode == 0
+    record, job = protected_with_counting_criu(tmp_path, env, counters, "train-w")
     agent = AgentProc(tmp_path, env, "--host-checks-every", "60")
     try:
         warm = agent.wait_event("host_checks")[0]
@@ -351,10 +357,7 @@ def test_agent_snapshot_does_not_use_stale_host_checks(tmp_path: Path, env: dict
     (its `criu check` sleeps), so on the notice the newest result is stale: the snapshot's
     preflight runs the checks itself (a `criu check` of its own), its timings have no
     host_checks_age_s, and the hung run does not hold up the notice; the agent still stops."""
-    wrapper, record = counting_criu(tmp_path)
-    Path(env["SNAPGUARD_CONFIG"]).write_text(f'criu = "{wrapper}"\n')
-    job = counters("job")
-    assert snapguard("protect", "--pid", str(job.pid), "--job", "train-s", env=env).returncode == 0
+    record, job = protected_with_counting_criu(tmp_path, env, counters, "train-s")
     agent = AgentProc(tmp_path, env, "--host-checks-every", "1")
     try:
         first = agent.wait_event("host_checks")[0]
