@@ -346,7 +346,9 @@ def test_agent_snapshot_on_notice_reuses_the_warm_host_checks(tmp_path: Path, en
         assert len(criu_checks(record)) == 1, record.read_text()  # the snapshot's preflight ran none
         age = sealed["timings"]["host_checks_age_s"]
         assert 0 < age < 60, sealed["timings"]
-        assert "host checks of" in agent.text() and len(agent.events("host_checks")) == 1
+        # the log line follows the journal's snapshot_sealed: waited for, not read at once
+        wait_for(lambda: "host checks of" in agent.text(), 10, "the sealed line naming the reused host checks")
+        assert len(agent.events("host_checks")) == 1
     finally:
         agent.stop()
     assert agent.proc.returncode == 0, agent.text()[-2000:]
