@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -328,50 +329,57 @@ class Bench:
                 "restore_call_s": t_back - t_restore, "restore_to_first_new_step_s": first[2] - t_restore,
                 "last_step_before": last_before, "first_new_step": first[0], "stepped_on_to": then[0]}
 
-    def snapguard(self, label: str, w: int, layers: int) -> dict[str, Any]:
-        a, gap, config = self.args, self.args.gap, self.config
-        run = self.trainer(f"{label}-snapguard", w, layers, trimmed=True)
-        pid = run.start(os.path.join(config.state_dir, "take"))
+    def snapshots(self, run: Trainer, pid: int, label: str, stack: str, out: dict[str, Any],
+                  dump: Callable[[int, Path, bool], dict[str, Any]],
+                  restore: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        """For either stack: a leave-running snapshot (its stall), then a stop + warm restore and a
+        stop of the restored trainer + cold restore. `dump(pid, images, leave_running)` and
+        `restore(images)` are the stack's; the run is finished either way."""
+        a, gap = self.args, self.args.gap
         try:
             wait_step(run, a.at, self.timeout)
-            out: dict[str, Any] = {"launch_to_first_step_s": run.rows()[0][2] - run.launched_at,
-                                   "params_logged": logged_params(run)}
-            # leave-running
-            img = self.base / f"{label}-snapguard-lr.img"
+            out.update(launch_to_first_step_s=run.rows()[0][2] - run.launched_at, params_logged=logged_params(run))
+            img = self.base / f"{label}-{stack}-lr.img"
             t_req = time.time()
-            ck = checkpoint_pid(pid, str(img), config, leave_running=True, take_wait_s=10.0)
+            d = dump(pid, img, True)
             t_done = time.time()
             wait_step(run, run.rows()[-1][0] + gap, self.timeout)
             out["leave_running"] = {"stall_s": stall(run.rows(), t_req, t_done),
-                                    "request_to_complete_image_s": t_done - t_req, **_sg_dump(ck)}
+                                    "request_to_complete_image_s": t_done - t_req, **d}
             shutil.rmtree(img, ignore_errors=True)
-            say(f"{label} snapguard leave-running: stall {_f(out['leave_running']['stall_s'])} s, "
-                f"image {ck['image_bytes'] / 1e9:.2f} GB")
-            # stop + warm restore, then stop of the restored trainer + cold restore
+            say(f"{label} {stack} leave-running: stall {_f(out['leave_running']['stall_s'])} s, "
+                f"image {d['image_bytes'] / 1e9:.2f} GB")
             for key, cold in (("stop_warm", False), ("stop_cold", True)):
                 if cold and a.no_cold:
                     break
                 wait_step(run, run.rows()[-1][0] + gap, self.timeout)
                 target = running_pid(run)
                 assert target is not None
-                img = self.base / f"{label}-snapguard-{key}.img"
-
-                def dump(img: Path = img, target: int = target) -> dict[str, Any]:
-                    return _sg_dump(checkpoint_pid(target, str(img), config, leave_running=False, take_wait_s=10.0))
-
-                def restore(img: Path = img) -> dict[str, Any]:
-                    rs = restore_images(str(img), config)
-                    return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"]}
-
-                out[key] = self.stop_restore(run, target, dump, restore, cold=cold)
+                img = self.base / f"{label}-{stack}-{key}.img"
+                out[key] = self.stop_restore(run, target, partial(dump, target, img, False), partial(restore, img),
+                                             cold=cold)
                 shutil.rmtree(img, ignore_errors=True)
-                say(f"{label} snapguard {key}: stop->image {out[key]['stop_to_image_s']:.2f} s, "
+                say(f"{label} {stack} {key}: stop->image {out[key]['stop_to_image_s']:.2f} s, "
                     f"image {out[key]['image_bytes'] / 1e9:.2f} GB, restore->first step "
                     f"{out[key]['restore_to_first_new_step_s']:.2f} s ({out[key]['page_cache'].split(' (')[0]})")
             out["step_time_s"] = median_step(run.rows())
             return _summary(out)
         finally:
             self.finish(run)
+
+    def snapguard(self, label: str, w: int, layers: int) -> dict[str, Any]:
+        config = self.config
+        run = self.trainer(f"{label}-snapguard", w, layers, trimmed=True)
+        pid = run.start(os.path.join(config.state_dir, "take"))
+
+        def dump(target: int, img: Path, leave_running: bool) -> dict[str, Any]:
+            return _sg_dump(checkpoint_pid(target, str(img), config, leave_running=leave_running, take_wait_s=10.0))
+
+        def restore(img: Path) -> dict[str, Any]:
+            rs = restore_images(str(img), config)
+            return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"]}
+
+        return self.snapshots(run, pid, label, "snapguard", {}, dump, restore)
 
     # the raw stack: criu dump/restore with its CUDA plugin, run here
     def _criu(self, argv: list[str], images: Path, log: str) -> float:
@@ -410,41 +418,11 @@ class Bench:
                 "restore_marks": sg_criu.log_marks(str(images / "restore.log"))}
 
     def raw(self, label: str, w: int, layers: int) -> dict[str, Any]:
-        a, gap = self.args, self.args.gap
         run = self.trainer(f"{label}-raw", w, layers)
         pid = run.start()
-        try:
-            wait_step(run, a.at, self.timeout)
-            out: dict[str, Any] = {"launch_to_first_step_s": run.rows()[0][2] - run.launched_at,
-                                   "params_logged": logged_params(run), "cuda_checkpoint": self.cuda_checkpoint,
-                                   "criu": self.config.criu, "criu_libdir": self.config.criu_libdir}
-            img = self.base / f"{label}-raw-lr.img"
-            t_req = time.time()
-            d = self.raw_dump(pid, img, leave_running=True)
-            t_done = time.time()
-            wait_step(run, run.rows()[-1][0] + gap, self.timeout)
-            out["leave_running"] = {"stall_s": stall(run.rows(), t_req, t_done),
-                                    "request_to_complete_image_s": t_done - t_req, **d}
-            shutil.rmtree(img, ignore_errors=True)
-            say(f"{label} raw leave-running: stall {_f(out['leave_running']['stall_s'])} s, "
-                f"image {d['image_bytes'] / 1e9:.2f} GB")
-            for key, cold in (("stop_warm", False), ("stop_cold", True)):
-                if cold and a.no_cold:
-                    break
-                wait_step(run, run.rows()[-1][0] + gap, self.timeout)
-                target = running_pid(run)
-                assert target is not None
-                img = self.base / f"{label}-raw-{key}.img"
-                out[key] = self.stop_restore(run, target, lambda img=img, target=target: self.raw_dump(target, img, False),
-                                             lambda img=img: self.raw_restore(img), cold=cold)
-                shutil.rmtree(img, ignore_errors=True)
-                say(f"{label} raw {key}: stop->image {out[key]['stop_to_image_s']:.2f} s, "
-                    f"image {out[key]['image_bytes'] / 1e9:.2f} GB, restore->first step "
-                    f"{out[key]['restore_to_first_new_step_s']:.2f} s ({out[key]['page_cache'].split(' (')[0]})")
-            out["step_time_s"] = median_step(run.rows())
-            return _summary(out)
-        finally:
-            self.finish(run)
+        out: dict[str, Any] = {"cuda_checkpoint": self.cuda_checkpoint, "criu": self.config.criu,
+                               "criu_libdir": self.config.criu_libdir}
+        return self.snapshots(run, pid, label, "raw", out, self.raw_dump, self.raw_restore)
 
     def file(self, label: str, w: int, layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """torch.save + fsync after step `at`, DCP async_save `gap` steps later, in one trainer; then a
