@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.trust import resolve_trusted
+from snapguard_lab.testbed import pinned_compiler_usable
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ["/opt/snapguard/venv", "/etc/snapguard", "/var/lib/snapguard"]
@@ -26,18 +27,6 @@ ENABLED = ["/etc/systemd/system/multi-user.target.wants/snapguard-preflight.serv
 
 
 LAUNCHER = "/opt/snapguard/venv/bin/snapguard-runc-launcher"
-
-
-def _compiler() -> bool:
-    """The pinned C compiler `snapguard install` builds the launcher with is here."""
-    from snapguard.install import DEFAULT_CC
-    from snapguard.trust import UntrustedPathError
-
-    try:
-        resolve_trusted(DEFAULT_CC, "exec")
-        return True
-    except UntrustedPathError:
-        return False
 
 
 def _installed() -> str:
@@ -112,7 +101,7 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
         # else (--no-launcher) names the package's snapguard-runc; the state file is the default
         # one, which the package's prerm reads
         conf = tmp_path / "snapguard.toml"
-        compiler = _compiler()
+        compiler = pinned_compiler_usable()
         ins = _run("/usr/bin/snapguard", "install", "--containerd-config", str(main), "--config", str(conf), "--json",
                    *([] if compiler else ["--no-launcher"]))
         assert ins.returncode == 0, ins.stderr

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
+from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, pinned_compiler_usable, release_mounts
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80
@@ -133,17 +133,6 @@ def test_fresh_install_runs_from_itself(fresh: Path) -> None:
     assert any(r["reason"] == "TAKE_POINT_TIMEOUT" for r in json.loads(reasons.stdout))
 
 
-def _compiler() -> bool:
-    from snapguard.install import DEFAULT_CC
-    from snapguard.trust import UntrustedPathError, resolve_trusted
-
-    try:
-        resolve_trusted(DEFAULT_CC, "exec")
-        return True
-    except UntrustedPathError:
-        return False
-
-
 def test_snapguard_install_from_the_wheel_builds_the_launcher(fresh: Path, tmp_path: Path) -> None:
     """The wheel's `snapguard install` finds the launcher's sources in its own site-packages (not the
     repository's c_helpers/) and, where the pinned compiler exists, compiles the launcher beside the
@@ -172,7 +161,7 @@ def test_snapguard_install_from_the_wheel_builds_the_launcher(fresh: Path, tmp_p
         return data["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]["options"][
             "BinaryName"]
 
-    if _compiler():
+    if pinned_compiler_usable():
         out = run("--json")
         assert out.returncode == 0, out.stderr
         facts = json.loads(out.stdout)["facts"]
