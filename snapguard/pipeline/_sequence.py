@@ -122,7 +122,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
     `host_checks_age_s`, how old they were."""
     steps = _Steps()
     ahead = None
-    if host_checks is not None and host_checks.config == config.as_dict():  # another config's: none reused
+    if host_checks is not None and host_checks.made_under(config):  # another config's: none reused
         steps.timings["host_checks_age_s"] = host_checks.age_s()
         ahead = host_checks.passed(leave=FRESH_HOST_CHECKS)
     with steps.step("preflight", Reason.PREFLIGHT_FAILED):

@@ -68,6 +68,10 @@ class HostChecks:
     waited_s: float = 0.0
     started: float = 0.0  # time.monotonic() when they began: their age is measured from it
 
+    def made_under(self, config: Config) -> bool:
+        """Whether they ran under this config (results of another are never reused)."""
+        return self.config == config.as_dict()
+
     def result(self, name: str, key: tuple[Any, ...]) -> tuple[CheckResult, dict[str, Any]] | None:
         return next(((r, facts) for n, k, r, facts in self.results if n == name and k == key), None)
 
@@ -112,7 +116,7 @@ def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | 
     once per run; the process model takes the CUDA pids from it). `ahead`: results of
     `host_checks_ahead` under the same config, taken where a check's inputs match, in the same
     order; the checks it has no matching result for run now."""
-    if ahead is not None and ahead.config != config.as_dict():
+    if ahead is not None and not ahead.made_under(config):
         ahead = None
     report.facts["host"] = dict(ahead.host) if ahead is not None else procfs.host_facts()
     for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
