@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapguard import cuda
+from snapguard import gpu_suspend
 from snapguard.config import load
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard_lab.torch_drill import Trainer
@@ -227,16 +227,12 @@ def main() -> int:
             names = [f"T{i + 1}" if i < args.restore else f"F{i + 1 - args.restore}" for i in range(args.shared)]
             runs = settled({name: start(f"parity-{name}", 16) for name in names})
             report["windows"].append(window("parity: all fresh", runs, args.phase_s))
-            driver = cuda.load()
             for name in [n for n in runs if n.startswith("T")]:
                 pid, t0 = runs[name][1], time.time()
-                driver.lock(pid, 30_000)
-                try:
-                    driver.checkpoint(pid)
-                    driver.restore(pid)
-                finally:
-                    driver.unlock(pid)
-                report["snapshots"].append({"trainer": name, "in_place_toggle_s": time.time() - t0})
+                gpu_suspend.suspend([pid], 30.0)  # lock + checkpoint
+                outcome = gpu_suspend.resume([pid])[pid]  # restore + unlock
+                report["snapshots"].append({"trainer": name, "in_place_toggle_s": time.time() - t0,
+                                            "outcome": outcome})
             time.sleep(3)
             report["windows"].append(window("parity: T* toggled in place", runs, args.phase_s))
             save()

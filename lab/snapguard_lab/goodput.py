@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from snapguard import cuda
+from snapguard import gpu_suspend
 from snapguard import plan as planner
 from snapguard.config import Config, load
 from snapguard.hooks import site_dir
@@ -74,7 +74,7 @@ __all__ = ["ARMS", "REFERENCE_SHAPE", "ArmSpec", "Event", "Shape", "make_schedul
 # A trainer never ends by itself: the drill kills it at the end of its window.
 ENDLESS_STEPS = 10**9
 KEEP_FILES = 2
-PARITY_LOCK_MS = 30_000  # the lock waits for the trainer's queued GPU work
+PARITY_LOCK_S = 30.0  # the lock waits for the trainer's queued GPU work
 
 # The trainer's file checkpoints (train.py --save-dir): files every `file_every` s and an urgent one
 # on SIGUSR1, each after a step and holding it, logged as
@@ -310,13 +310,10 @@ class Run:
         if not self.parity or self.proc is None:
             return
         pid, t0 = self.proc.pid, time.time()
-        driver = cuda.load()
-        driver.lock(pid, PARITY_LOCK_MS)
-        try:
-            driver.checkpoint(pid)
-            driver.restore(pid)
-        finally:
-            driver.unlock(pid)
+        gpu_suspend.suspend([pid], PARITY_LOCK_S)  # lock + checkpoint (brought back itself on a failure)
+        outcome = gpu_suspend.resume([pid])[pid]  # restore + unlock
+        if outcome != "running" and not outcome.startswith("recovered"):
+            raise RuntimeError(f"{self.name}: context parity left trainer {pid} {outcome}")
         self.parity_stalls.append({"pid": pid, "at": round(t0, 3), "seconds": round(time.time() - t0, 3)})
 
     def last_step(self) -> int:
