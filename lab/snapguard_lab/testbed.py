@@ -71,18 +71,6 @@ def snapguard_runc_path() -> str:
     return found
 
 
-def pinned_compiler_usable() -> bool:
-    """The pinned C compiler `snapguard install` builds the launcher with is here and trusted."""
-    from snapguard.install import DEFAULT_CC
-    from snapguard.trust import UntrustedPathError, resolve_trusted
-
-    try:
-        resolve_trusted(DEFAULT_CC, "exec")
-        return True
-    except UntrustedPathError:
-        return False
-
-
 def product_root() -> str:
     """The directory snapguard is imported from: a workload started with the take-point hook has it
     on PYTHONPATH, since the hook's sitecustomize imports snapguard inside the workload."""

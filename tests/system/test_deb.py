@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.trust import resolve_trusted
-from snapguard_lab.testbed import pinned_compiler_usable
+from tests.launcher_compiler import pinned_compiler_usable
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ["/opt/snapguard/venv", "/etc/snapguard", "/var/lib/snapguard"]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, pinned_compiler_usable, release_mounts
+from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
+from tests.launcher_compiler import pinned_compiler_usable
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80
