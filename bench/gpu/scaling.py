@@ -31,6 +31,7 @@ the budget, are skipped and recorded so; every trainer is killed at the end.
 
     source bench/gpu/setup.sh && python3 bench/gpu/scaling.py bench/results/h200/scaling-DATE.json
     python3 bench/gpu/scaling.py OUT.json --sizes 85m,350m --arms snapguard,file
+    SNAPGUARD_TAKE_DROP_GRADS=1 python3 bench/gpu/scaling.py OUT.json --arms snapguard  # grads dropped
     .venv/bin/python bench/gpu/scaling.py /tmp/s.json --sizes 48x1,96x2 --steps 60 \\
         --trainer-args "--device cpu --batch 1"                     # the machinery on a CPU
 
@@ -70,6 +71,9 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CEILINGS_GB_S = {"pinned device-to-host copy": 55.0, "tmpfs write": 2.9, "disk write with fsync": 1.3}
 # a trainer's start on the H200 (python, torch, CUDA context): the part of an arm that does not grow
 FIXED_S = 20.0
+# the take point's opt-in (snapguard/hooks/_workload.py): the stepped optimizer's gradients dropped at
+# the hold; set in this script's environment, every snapguard-arm trainer inherits it
+DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def say(msg: str) -> None:
@@ -541,7 +545,8 @@ def arm_rows(size: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(arm, {stall, stop_to_image, bytes, warm, cold, note}) per arm of a size, for the tables."""
     arms = size.get("arms", {})
     rows = []
-    for key, name in (("snapguard", "snapguard (trimmed)"), ("raw", "raw CRIU + plugin"),
+    sg_name = "snapguard (no grads)" if DROP_GRADS else "snapguard (trimmed)"
+    for key, name in (("snapguard", sg_name), ("raw", "raw CRIU + plugin"),
                       ("torch_save", "torch.save + fsync"), ("dcp", "DCP async_save")):
         arm = arms.get(key)
         if arm is None:
@@ -717,7 +722,8 @@ def main() -> int:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "versions": versions(config),
         "workdir": str(base), "budget_s": args.budget_s, "at": args.at, "gap": args.gap, "arms": arms,
-        "trainer_args": args.trainer_args, "ceilings_gb_s": CEILINGS_GB_S, "sizes": [],
+        "trainer_args": args.trainer_args, "take_drop_grads": DROP_GRADS, "ceilings_gb_s": CEILINGS_GB_S,
+        "sizes": [],
         "notes": ["stall: longest gap between step timestamps spanning the snapshot (or save), less the median step",
                   "restore: restore call -> first new step logged; torch.save resume: process launch -> first step",
                   "raw: criu + its CUDA plugin, with cuda-checkpoint resolved as snapguard does (the H200 "
