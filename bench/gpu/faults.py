@@ -12,8 +12,12 @@ Rows (leave-running unless said):
                   kills it -> CRIU_TIMEOUT, CUDA restored
   seal            a FIFO planted in the image dir: the dump succeeds, the seal refuses it -> IMAGE_WRITE_FAILED
   stop            a stop snapshot (whole image)
-  cuda-restore    its restore with a device map onto an absent GPU: the driver refuses in CRIU's
-                  plugin -> CRIU_RESTORE_FAILED, the image still whole
+  device-map      its restore with a device map onto an absent GPU: the preflight refuses it before
+                  CRIU runs -> GPU_IDENTITY_MISMATCH, the image still whole
+  cuda-restore    its restore while another process takes the GPU's free memory once CRIU has started
+                  (after the preflight's free-memory check passed): the driver's restore in CRIU's
+                  plugin fails -> CRIU_RESTORE_FAILED or CUDA_RESTORE_FAILED, nothing of the restored
+                  copy left running, the image still whole
   restore         the same image restored as it is: the trainer goes on and finishes
 
 Usage: faults.py OUT_DIR [STEPS]
@@ -25,6 +29,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +43,26 @@ from snapguard.reasons import SnapguardError
 from snapguard_lab.torch_drill import Trainer, compare
 
 ABSENT_GPU = "GPU-00000000-0000-0000-0000-000000000000"
+# the cuda-restore row's other tenant: its CUDA context up front, then, on "take", all the GPU's free
+# memory but 64 MiB, held until it is killed
+OCCUPIER = """
+import sys, torch
+torch.empty(1, device="cuda")
+print("ready", flush=True)
+sys.stdin.readline()
+free, _ = torch.cuda.mem_get_info()
+hold = torch.empty(max(free - (64 << 20), 1), dtype=torch.uint8, device="cuda")
+print(f"holding {hold.numel()} bytes", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _whole(images: Path) -> bool | str:
+    try:
+        image.verify(str(images))
+        return True
+    except SnapguardError as e:
+        return e.reason.name
 
 
 def _criu_children() -> list[int]:
@@ -180,13 +205,41 @@ def main() -> int:
     run.proc.wait(timeout=60)
     manifest = image.verify(str(stop_img))
     old = manifest["gpu"]["gpus"][0]["uuid"]
-    rows.append(_row("cuda-restore", None, driver, lambda: pipeline.restore(
+    rows.append(_row("device-map", None, driver, lambda: pipeline.restore(
         pipeline.CriuRunner(config.criu), request(stop_img, device_map=((old, ABSENT_GPU),)), config)))
+    rows[-1]["image_whole_after"] = _whole(stop_img)
+    # cuda-restore: the preflight also refuses a GPU without the image's memory free, so the memory
+    # is taken in the window it cannot see: by a process that already has its CUDA context, the
+    # moment the restore's CRIU appears
+    occupier = subprocess.Popen([sys.executable, "-c", OCCUPIER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+    assert occupier.stdin is not None and occupier.stdout is not None
+    took: list[str] = []
+    row_done = threading.Event()
+
+    def grab() -> None:
+        deadline = time.monotonic() + 120
+        while not _criu_children():
+            if row_done.is_set() or time.monotonic() > deadline:
+                return  # refused before CRIU ran: nothing taken, the row's check fails
+            time.sleep(0.002)
+        occupier.stdin.write("take\n")  # type: ignore[union-attr]
+        occupier.stdin.flush()  # type: ignore[union-attr]
+        took.append(occupier.stdout.readline().strip())  # type: ignore[union-attr]
+
     try:
-        image.verify(str(stop_img))
-        rows[-1]["image_whole_after"] = True
-    except SnapguardError as e:
-        rows[-1]["image_whole_after"] = e.reason.name
+        if occupier.stdout.readline().strip() != "ready":
+            raise RuntimeError("the memory occupier did not start")
+        t = threading.Thread(target=grab)
+        t.start()
+        rows.append(_row("cuda-restore", None, driver, lambda: pipeline.restore(
+            pipeline.CriuRunner(config.criu), request(stop_img), config)))
+        row_done.set()
+        t.join()
+    finally:
+        occupier.kill()
+        occupier.wait(timeout=60)
+    rows[-1].update(occupier=took, image_whole_after=_whole(stop_img), restored_copy_after=_state(driver, pid))
     t_restore = time.time()
     restored: dict[str, Any] = {}
 
@@ -205,16 +258,21 @@ def main() -> int:
     # cuda-lock: the driver may answer a second lock as an error or take it; either way the
     # process must be left running
     expected = {"cuda-lock": ("refused", "ok"), "page-dump": ("refused",), "criu-killed": ("refused",),
-                "criu-hang": ("refused",), "seal": ("refused",), "stop": ("ok",), "cuda-restore": ("refused",),
-                "restore": ("ok",)}
+                "criu-hang": ("refused",), "seal": ("refused",), "stop": ("ok",), "device-map": ("refused",),
+                "cuda-restore": ("refused",), "restore": ("ok",)}
     after = {"stop": "gone"}  # CRIU ends the stopped trainer; every other row leaves it running
     checks = {r["row"]: r["outcome"] in expected[r["row"]]
               and r.get("state_after", after.get(r["row"], "running")) == after.get(r["row"], "running")
               and (r.get("workload_intact", True) is not False or r["row"] == "cuda-restore") for r in rows}
-    # the refused restore ends what CRIU brought back and leaves the image whole for the retry
-    cuda_restore = next(r for r in rows if r["row"] == "cuda-restore")
-    checks["cuda-restore"] = checks["cuda-restore"] and cuda_restore.get("image_whole_after") is True \
-        and cuda_restore.get("restored_tree_ended") is True
+    # a refused restore leaves the image whole for the retry; the driver's refusal also leaves
+    # nothing of what CRIU brought back
+    rowmap = {r["row"]: r for r in rows}
+    checks["device-map"] = checks["device-map"] and rowmap["device-map"].get("reason") == "GPU_IDENTITY_MISMATCH" \
+        and rowmap["device-map"].get("image_whole_after") is True
+    cr = rowmap["cuda-restore"]
+    checks["cuda-restore"] = checks["cuda-restore"] and cr.get("image_whole_after") is True \
+        and cr.get("reason") in ("CRIU_RESTORE_FAILED", "CUDA_RESTORE_FAILED") \
+        and cr.get("restored_copy_after") == "gone" and (cr.get("occupier") or [""])[0].startswith("holding")
     report = {"steps": steps, "rows": rows, "checks": checks, **verdict,
               "stat_mode_of_stop_image": oct(stat.S_IMODE(os.stat(stop_img).st_mode))}
     (out / "faults.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
