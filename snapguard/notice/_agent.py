@@ -474,7 +474,8 @@ class Agent:
 
             store = store_mod.open_store(url)
             if name in [r.name for r in store.images(job)]:  # its marker went in before the kill
-                self.journal("uploaded", key=ev.get("key"), image=image, store=url, recovered=True)
+                self.journal("uploaded", key=ev.get("key"), image=image, notice=ev.get("notice"), store=url,
+                             recovered=True)
                 if ev.get("key"):
                     self.registry.update(ev["key"], uploaded=True)
                 return
@@ -606,7 +607,7 @@ class Agent:
                 continue
             image = self._snapshot(key, w, notice)
             if image and self.store_url and not self.registry.load().get(key, {}).get("uploaded"):
-                self._upload(key, {**w, "image": image})  # not streamed, or the stream failed: push it whole
+                self._upload(key, {**w, "image": image, "notice": notice.id})  # not streamed, or it failed: whole
 
     def _consume_inbox(self, notice: Notice) -> None:
         path = (notice.raw or {}).get("path") if notice.source == "local" and isinstance(notice.raw, dict) else None
@@ -647,14 +648,14 @@ class Agent:
         stream = None
         try:
             files.ensure_private_dir(image)
-            stream = self._start_stream(key, w, image) if self.store_url else None
+            stream = self._start_stream(key, w, image, notice.id) if self.store_url else None
             req = pipeline.Request(image, leave_running=False, timeouts=pipeline.Timeouts.from_config(self.config))
             warm = self.warm.latest() if self.warm is not None else None  # never waits for a run
             result = pipeline.checkpoint(self._runner(w, image), req, self.config, host_checks=warm)
         except Exception as e:
             if stream is not None:
                 stream.abort()
-                self.journal("upload_aborted", key=key, image=image)
+                self.journal("upload_aborted", key=key, image=image, notice=notice.id)
             failure = failure_from(e)
             if os.path.isdir(image) and not _marked(image):
                 self._discard(image, f"snapshot failed: {failure.reason.name}")
@@ -674,10 +675,10 @@ class Agent:
         self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s"
                  + (f", host checks of {age:.0f} s ago reused)" if age is not None else ")"))
         if stream is not None:
-            self._finish_stream(key, w, image, stream, start)
+            self._finish_stream(key, w, image, stream, start, notice.id)
         return image
 
-    def _start_stream(self, key: str, w: dict[str, Any], image: str) -> Any:
+    def _start_stream(self, key: str, w: dict[str, Any], image: str, notice: str) -> Any:
         """Start sending the image to the store while CRIU writes it (snapguard.store's
         StreamingPush); None when the store refuses or cannot be reached: the sealed image is then
         pushed after the seal, as a restarted agent does."""
@@ -691,20 +692,21 @@ class Agent:
                                   progress=store_mod.Progress(callback=self._progress_logger(name)))
         except Exception as e:
             f = failure_from(e)
-            self.journal("stream_refused", key=key, image=image, record=f.to_dict())
+            self.journal("stream_refused", key=key, image=image, notice=notice, record=f.to_dict())
             self.log(f"{name}: not streamed to {self.store_url} ({f.message}); pushing after the seal")
             return None
-        self.journal("upload_started", key=key, image=image, store=self.store_url, streaming=True, epoch=epoch)
+        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url, streaming=True,
+                     epoch=epoch)
         return stream
 
-    def _finish_stream(self, key: str, w: dict[str, Any], image: str, stream: Any, start: float) -> None:
+    def _finish_stream(self, key: str, w: dict[str, Any], image: str, stream: Any, start: float, notice: str) -> None:
         name = os.path.basename(image)
         try:
             ref = stream.finish()
         except Exception as e:
-            self._upload_failed(key, image, e)
+            self._upload_failed(key, image, e, notice)
             return
-        self.journal("uploaded", key=key, image=image, store=self.store_url, streaming=True,
+        self.journal("uploaded", key=key, image=image, notice=notice, store=self.store_url, streaming=True,
                      seconds=round(time.monotonic() - start, 3), streamed_bytes=stream.streamed_bytes,
                      resent=stream.resent, result={"job": ref.job, "name": ref.name, "epoch": ref.epoch})
         self.registry.update(key, uploaded=True)
@@ -712,11 +714,11 @@ class Agent:
                  f"began ({stream.streamed_bytes >> 20} MiB of it sent while CRIU wrote)")
         self._prune(w["job"])
 
-    def _upload_failed(self, key: str, image: str, e: Exception) -> None:
+    def _upload_failed(self, key: str, image: str, e: Exception, notice: str | None) -> None:
         f = failure_from(e)
         failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{os.path.basename(image)} to {self.store_url}: {f.message}",
                           evidence={"image": image, "cause": f.reason.name})
-        self.journal("upload_failed", key=key, image=image, record=failure.to_dict())
+        self.journal("upload_failed", key=key, image=image, notice=notice, record=failure.to_dict())
         self.log(failure.message)
 
     def _prune(self, job: str) -> None:
@@ -746,6 +748,7 @@ class Agent:
         if not _marked(image):  # never upload what is not whole
             self._discard(image, "no completion marker at upload")
             return
+        notice = w.get("notice")  # the notice it was taken for (the registry keeps it over a restart)
         try:
             import importlib
 
@@ -753,10 +756,10 @@ class Agent:
         except ImportError as e:
             failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"snapguard.store is not available ({e}); the sealed image "
                               f"stays at {image}", evidence={"image": image})
-            self.journal("upload_skipped", key=key, image=image, record=failure.to_dict())
+            self.journal("upload_skipped", key=key, image=image, notice=notice, record=failure.to_dict())
             self.log(failure.message)
             return
-        self.journal("upload_started", key=key, image=image, store=self.store_url)
+        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url)
         last = [0.0]
 
         def progress(*args: Any, **kw: Any) -> None:
@@ -769,9 +772,10 @@ class Agent:
             store = store_mod.open_store(self.store_url)
             out = _put(store_mod, store, image, w, name, progress)
         except Exception as e:
-            self._upload_failed(key, image, e)
+            self._upload_failed(key, image, e, notice)
             return
-        self.journal("uploaded", key=key, image=image, store=self.store_url, seconds=round(time.monotonic() - start, 3),
+        self.journal("uploaded", key=key, image=image, notice=notice, store=self.store_url,
+                     seconds=round(time.monotonic() - start, 3),
                      result=out if isinstance(out, (str, int, float, dict, list, type(None))) else str(out))
         self.registry.update(key, uploaded=True)
         self.log(f"uploaded {name} to {self.store_url} in {time.monotonic() - start:.2f} s")

@@ -250,6 +250,9 @@ def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> 
     assert kinds.index("upload_started") < kinds.index("snapshot_sealed") < kinds.index("uploaded"), out.stderr
     uploaded = events[kinds.index("uploaded")]
     assert uploaded["streaming"] and uploaded["streamed_bytes"] >= store_mod.SPAN and uploaded["resent"] == []
+    # the upload's lines name the notice the snapshot was taken for, as the snapshot's do
+    notice_id = events[kinds.index("snapshot_sealed")]["notice"]
+    assert notice_id and events[kinds.index("upload_started")]["notice"] == uploaded["notice"] == notice_id
     refs = store_mod.open_store(f"file://{store}").images("train-d")
     assert len(refs) == 1 and refs[0].complete and refs[0].name != "20200101T000000.000000Z"  # pruned
     assert "pruned" in kinds
