@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -55,6 +56,21 @@ hold = torch.empty(max(free - (64 << 20), 1), dtype=torch.uint8, device="cuda")
 print(f"holding {hold.numel()} bytes", flush=True)
 sys.stdin.readline()
 """
+
+
+def _line(pipe: Any, timeout: float) -> str:
+    """One line from a child's unbuffered pipe, or what came before the deadline or its end."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while not got.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([pipe], [], [], left)[0]:
+            break
+        byte = pipe.read(1)
+        if not byte:
+            break
+        got += byte
+    return got.decode(errors="replace").strip()
 
 
 def _whole(images: Path) -> bool | str:
@@ -212,7 +228,7 @@ def main() -> int:
     # is taken in the window it cannot see: by a process that already has its CUDA context, the
     # moment the restore's CRIU appears
     occupier = subprocess.Popen([sys.executable, "-c", OCCUPIER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+                                bufsize=0)
     assert occupier.stdin is not None and occupier.stdout is not None
     took: list[str] = []
     row_done = threading.Event()
@@ -223,19 +239,24 @@ def main() -> int:
             if row_done.is_set() or time.monotonic() > deadline:
                 return  # refused before CRIU ran: nothing taken, the row's check fails
             time.sleep(0.002)
-        occupier.stdin.write("take\n")  # type: ignore[union-attr]
-        occupier.stdin.flush()  # type: ignore[union-attr]
-        took.append(occupier.stdout.readline().strip())  # type: ignore[union-attr]
+        try:
+            occupier.stdin.write(b"take\n")  # type: ignore[union-attr]
+            took.append(_line(occupier.stdout, 60))  # type: ignore[arg-type]
+        except OSError as e:  # the occupier died: nothing taken
+            took.append(f"error: {e}")
 
     try:
-        if occupier.stdout.readline().strip() != "ready":
-            raise RuntimeError("the memory occupier did not start")
-        t = threading.Thread(target=grab)
-        t.start()
-        rows.append(_row("cuda-restore", None, driver, lambda: pipeline.restore(
-            pipeline.CriuRunner(config.criu), request(stop_img), config)))
-        row_done.set()
-        t.join()
+        ready = _line(occupier.stdout, 120)
+        if ready == "ready":
+            t = threading.Thread(target=grab, daemon=True)
+            t.start()
+            rows.append(_row("cuda-restore", None, driver, lambda: pipeline.restore(
+                pipeline.CriuRunner(config.criu), request(stop_img), config)))
+            row_done.set()
+            t.join(timeout=90)
+        else:  # a row that failed, not a run that stopped: the image's last restore still runs
+            rows.append({"row": "cuda-restore", "outcome": "error", "seconds": 0.0,
+                         "detail": f"the memory occupier did not start: {ready!r}"})
     finally:
         occupier.kill()
         occupier.wait(timeout=60)
