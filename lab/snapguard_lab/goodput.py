@@ -32,9 +32,9 @@ unchanged, and a leave-running snapshot of a fresh one moved it to the slow side
 (bench/results/h200/share-probe-*). A job that owns its GPUs never meets that asymmetry; parity
 keeps the drill measuring recovery rather than the driver's scheduling. Its stalls are in the
 arms' steps and reported (`context_parity`). The first launch's stall is in every run's window, the
-uninterrupted run's too; what a cold start's parity took is credited back (the arm's steps are
-counted that many seconds past the window's end: `parity_credit_s`; `goodput_uncredited` counts
-them at the end), since a cold start outside the drill has none.
+uninterrupted run's too; what a cold start's parity took is credited back as the steps the arm's
+median pace makes in that time (`parity_credit_s`, `parity_credit_steps`; `goodput_uncredited`
+leaves them out), since a cold start outside the drill has none.
 
 Reported per arm: goodput (steps at the end of the window over the uninterrupted run's steps in
 the same window, each window counted from the run's first step), steps lost per event, time from
@@ -461,11 +461,18 @@ class Run:
 
 
 def relaunch_parity_s(stalls: list[dict[str, Any]], end: float) -> float:
-    """The seconds of context parity, before `end`, that the launches after a run's first one spent.
+    """The seconds of context parity that the launches after a run's first one spent, those begun
+    before `end` whole (one that runs past the end still kept the trainer from stepping up to it).
     Parity is the drill's own instrument, not part of a recovery: the first launch's is in every
-    run's window, the uninterrupted run's too, but a cold start outside the drill has none, so an
-    arm's window is extended by what its cold starts spent on it (`parity_credit_s`)."""
-    return sum(max(0.0, min(p["at"] + p["seconds"], end) - p["at"]) for p in stalls[1:])
+    run's window, the uninterrupted run's too, but a cold start outside the drill has none; the arm
+    is credited the steps its own pace makes in that time (`parity_credit_steps`)."""
+    return sum(float(p["seconds"]) for p in stalls[1:] if p["at"] < end)
+
+
+def credit_steps(credit_s: float, step_time_s: float | None) -> int:
+    """`credit_s` of parity as steps at the arm's median pace in the window (not run on after the
+    window, when the other arms sharing the GPU have stopped and it would step faster)."""
+    return round(credit_s / step_time_s) if credit_s > 0 and step_time_s else 0
 
 
 
@@ -521,12 +528,10 @@ class Arm:
         if self.doomed is not None:
             self.doomed[2]["outcome"] = "reclaim after the window"
         _sleep_until(end)
-        credit = relaunch_parity_s(r.parity_stalls, end)
-        _sleep_until(end + credit)
-        reached = self.progress_at(end + credit)
-        uncredited = self.progress_at(end)
+        reached = self.progress_at(end)
         r.teardown()
-        return self.report(reached, [e for e in queue if e.t < self.shape.window_s], uncredited, credit)
+        return self.report(reached, [e for e in queue if e.t < self.shape.window_s],
+                           relaunch_parity_s(r.parity_stalls, end))
 
     def progress_at(self, t: float) -> int:
         """The step training had reached at t: the last step logged by then, unless a kill after it
@@ -655,16 +660,16 @@ class Arm:
                  f"{rec['steps_lost']} steps lost")
 
     # -- the arm's record --
-    def report(self, reached: int, late: list[Event], uncredited: int, credit: float) -> dict[str, Any]:
+    def report(self, reached: int, late: list[Event], credit_s: float) -> dict[str, Any]:
         """The arm's record; `late`: scheduled inside the window, due only after it ended here;
-        `reached` counted `credit` s past the window's end, `uncredited` at it."""
+        `credit_s`: its cold starts' context parity (relaunch_parity_s)."""
         saves = _saves(self.run.log)
         in_window = [s for s in saves if s[2] <= self.t0 + self.shape.window_s]
         return {
             "arm": self.spec.name, "title": self.spec.title.replace("{P}", f"{self.file_every or 0:.1f}"),
             "file_every_s": self.file_every, "urgent_file": self.spec.urgent_file, "snapshot": self.spec.snapshot,
-            "first_step_time": self.t0, "steps_at_window_end": reached,
-            "steps_at_window_end_uncredited": uncredited, "parity_credit_s": round(credit, 3), "events": self.events,
+            "first_step_time": self.t0, "steps_at_window_end": reached, "parity_credit_s": round(credit_s, 3),
+            "events": self.events,
             # due inside the window but only after its end in this run, the arm still recovering
             # from an earlier event (the reference's "reclaim after the window")
             "events_after_window": [e.to_dict() for e in late],
@@ -946,8 +951,9 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         a["bits"] = check_bits(ref_rows, rows)
         # its own pace between events: sequential arms on a shared CPU do not all get the reference's
         a["step_time_s"] = _median([b[2] - x[2] for x, b in zip(rows, rows[1:]) if b[0] == x[0] + 1])
-        a["goodput"] = a["steps_at_window_end"] / ref_steps if ref_steps else 0.0
-        a["goodput_uncredited"] = a["steps_at_window_end_uncredited"] / ref_steps if ref_steps else 0.0
+        a["parity_credit_steps"] = credit_steps(a["parity_credit_s"], a["step_time_s"])
+        a["goodput"] = (a["steps_at_window_end"] + a["parity_credit_steps"]) / ref_steps if ref_steps else 0.0
+        a["goodput_uncredited"] = a["steps_at_window_end"] / ref_steps if ref_steps else 0.0
         p = predict(spec, periods[spec.files], costs, mix)
         a["predicted_goodput"] = p["goodput"]
         a["prediction"] = p
