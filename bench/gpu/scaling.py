@@ -381,7 +381,8 @@ class Bench:
 
         def restore(img: Path) -> dict[str, Any]:
             rs = restore_images(str(img), config)
-            return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"]}
+            return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"],
+                    "restore_counts": rs.get("counts", {})}
 
         return self.snapshots(run, pid, label, "snapguard", {}, dump, restore)
 
@@ -508,7 +509,8 @@ def _read(path: Path) -> str:
 
 def _sg_dump(ck: dict[str, Any]) -> dict[str, Any]:
     return {"image_bytes": ck["image_bytes"], "checkpoint_timings": ck["timings"], "dump_marks": ck["criu_marks"],
-            "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]]}
+            "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]],
+            "checkpoint_counts": ck.get("counts", {})}
 
 
 def _summary(out: dict[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,7 @@ WRAP
   rm -f "$tmp"
 }
 # -S: no site-packages scan at start; CRIU's plugin runs this eight times inside a snapshot's stall
-wrapper cuda-checkpoint snapguard.cuda.cli "\"$REPO\", \"/tmp/site\"" -S
+wrapper cuda-checkpoint snapguard.cuda_tool "\"$REPO\", \"/tmp/site\"" -S
 wrapper snapguard snapguard.cli "\"$REPO\", \"/tmp/site\""
 wrapper snapguard-runc snapguard.shim.entry "\"$REPO\", \"/tmp/site\""
 wrapper snapguard-lab snapguard_lab.cli "\"$REPO\", \"$REPO/lab\", \"/tmp/site\""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
-from ._driver import CudaError, load
+from ._driver import CudaError, Driver, load
 
 HELP = """CUDA checkpoint and restore utility (snapguard's, on the cuCheckpointProcess* driver API).
 Toggles the state of CUDA within a process between suspended and running.
@@ -37,10 +38,13 @@ which snapguard sets for a restore onto other GPUs of the same model: the plugin
 ACTIONS = ("lock", "checkpoint", "restore", "unlock")
 
 
+class UsageError(Exception):
+    """Bad arguments: exit 2 with one line (never SystemExit: the broker answers in the executor)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        print(f"cuda-checkpoint: {message}", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(message)
 
     def format_help(self) -> str:
         return HELP
@@ -56,7 +60,7 @@ def _device_map(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> _Parser:
     p = _Parser(prog="cuda-checkpoint", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     what = p.add_mutually_exclusive_group()
@@ -67,44 +71,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int)
     p.add_argument("--timeout", type=int, default=0)
     p.add_argument("--device-map", type=_device_map)
-    args = p.parse_args(argv)
-    if args.help or not (args.toggle or args.get_state or args.get_restore_tid or args.action):
-        print(HELP, end="")
-        return 0
-    if args.pid is None:
-        p.error("--pid is required")
-    if args.device_map is None and os.environ.get("SNAPGUARD_DEVICE_MAP"):
-        try:
-            args.device_map = _device_map(os.environ["SNAPGUARD_DEVICE_MAP"])
-        except argparse.ArgumentTypeError as e:
-            p.error(f"SNAPGUARD_DEVICE_MAP: {e}")
+    return p
+
+
+def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver] = load) -> tuple[int, str, str]:
+    """What `cuda-checkpoint ARGV` exits with and prints, as (exit code, stdout, stderr), with
+    `device_map` as SNAPGUARD_DEVICE_MAP. The tool itself and the executor's broker (the same
+    answers to CRIU's plugin without a process per call, snapguard.cuda._broker) both use it."""
     try:
-        driver = load()
+        args = _parser().parse_args(argv)
+        if args.help or not (args.toggle or args.get_state or args.get_restore_tid or args.action):
+            return 0, HELP, ""
+        if args.pid is None:
+            raise UsageError("--pid is required")
+        if args.device_map is None and device_map:
+            try:
+                args.device_map = _device_map(device_map)
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"SNAPGUARD_DEVICE_MAP: {e}") from None
+    except UsageError as e:
+        return 2, "", f"cuda-checkpoint: {e}\n"
+    out = ""
+    try:
+        d = driver()
         if args.get_state:
-            print(driver.state(args.pid))
+            out = f"{d.state(args.pid)}\n"
         elif args.get_restore_tid:
-            print(driver.restore_thread_id(args.pid))
+            out = f"{d.restore_thread_id(args.pid)}\n"
         elif args.action == "lock":
-            driver.lock(args.pid, args.timeout)
+            d.lock(args.pid, args.timeout)
         elif args.action == "checkpoint":
-            driver.checkpoint(args.pid)
+            d.checkpoint(args.pid)
         elif args.action == "restore":
-            driver.restore(args.pid, args.device_map)
+            d.restore(args.pid, args.device_map)
         elif args.action == "unlock":
-            driver.unlock(args.pid)
-        elif driver.state(args.pid) == "running":
-            driver.lock(args.pid, args.timeout)
-            driver.checkpoint(args.pid)
+            d.unlock(args.pid)
+        elif d.state(args.pid) == "running":
+            d.lock(args.pid, args.timeout)
+            d.checkpoint(args.pid)
         else:
-            driver.restore(args.pid, args.device_map)
-            driver.unlock(args.pid)
+            d.restore(args.pid, args.device_map)
+            d.unlock(args.pid)
     except CudaError as e:
-        print(f"cuda-checkpoint: {e}", file=sys.stderr)
-        return 1
+        return 1, out, f"cuda-checkpoint: {e}\n"
     except OSError as e:
-        print(f"cuda-checkpoint: cannot load the CUDA driver: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return 1, out, f"cuda-checkpoint: cannot load the CUDA driver: {e}\n"
+    return 0, out, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    rc, out, err = answer(sys.argv[1:] if argv is None else argv, os.environ.get("SNAPGUARD_DEVICE_MAP"))
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return rc
 
 
 if __name__ == "__main__":

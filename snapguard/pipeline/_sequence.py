@@ -38,6 +38,7 @@ class _Steps:
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
 
     @contextmanager
     def step(self, name: str, reason: Reason, **evidence: Any) -> Iterator[None]:
@@ -105,7 +106,8 @@ def _criu_errors(log: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _record(result: dict[str, Any], steps: _Steps, log: str) -> dict[str, Any]:
-    return {**result, "ok": True, "timings": steps.done(), "criu_marks": criu.log_marks(log)}
+    return {**result, "ok": True, "timings": steps.done(), "criu_marks": criu.log_marks(log),
+            **({"counts": steps.counts} if steps.counts else {})}
 
 
 # Host checks a snapshot never takes from an earlier run: NVML's inventory names the CUDA pids (and
@@ -164,8 +166,9 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         failure: SnapguardError | None = None
         try:
             with steps.step("dump", Reason.CRIU_DUMP_FAILED), \
-                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
-                rc = runner.dump(req, options, run_dir.environment(options))
+                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
+                    _cuda_broker(run_dir, bool(cuda_pids), steps) as broker_env:
+                rc = runner.dump(req, options, {**run_dir.environment(options), **broker_env})
         except SnapguardError as e:  # a deadline passed, or runc or CRIU did not start
             failure = e
             runner.after_failed_dump()
@@ -345,6 +348,28 @@ def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Re
     return pairs + list(zip(left_old, left_new))
 
 
+@contextmanager
+def _cuda_broker(run_dir: criu.RunDir, gpu: bool, steps: _Steps) -> Iterator[dict[str, str]]:
+    """For one CRIU run with CUDA processes: the executor answers its plugin's cuda-checkpoint runs
+    (snapguard.cuda.Broker); the environment entry that names it, or none when it cannot start
+    (the tool then answers itself, as before). How many runs it answered goes into the record's
+    `counts`. SNAPGUARD_CUDA_BROKER_OFF=1 in the executor's environment leaves it out (to measure
+    what it saves)."""
+    if not gpu or os.environ.get("SNAPGUARD_CUDA_BROKER_OFF") == "1":
+        yield {}
+        return
+    from .. import cuda
+
+    try:
+        broker = cuda.Broker(os.path.join(run_dir.path, "cuda.sock"))
+    except OSError:
+        yield {}
+        return
+    with broker:
+        yield {cuda.BROKER_ENV: broker.path}
+    steps.counts["cuda_broker_answers"] = broker.served
+
+
 def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     """The restored root runs, and every process the image had a CUDA context in is `running`.
     A container's processes keep their pids inside its namespace: they are found by those."""
@@ -406,8 +431,9 @@ def restore(runner: Runner, req: Request, config: Config, *,
         digests.start()  # a held workload's image is hashed while CRIU reads it
         try:
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
-                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir:
-                rc = runner.restore(req, options, run_dir.environment(options, device_map))
+                    criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
+                    _cuda_broker(run_dir, bool(manifest.get("gpu")), steps) as broker_env:
+                rc = runner.restore(req, options, {**run_dir.environment(options, device_map), **broker_env})
         finally:
             with steps.step("verify_wait", Reason.IMAGE_CORRUPT, image=req.image_dir):
                 corrupt = digests.result()

@@ -102,7 +102,7 @@ def test_wheel_is_abi3_and_carries_the_runtime_files(wheel: Path) -> None:
     assert sorted(modules - names) == []
     assert not [n for n in names if n.endswith(".so") and "abi3" not in n]  # no version-specific build
     for script in ("snapguard = snapguard.cli:main", "snapguard-runc = snapguard.shim.entry:main",
-                   "snapguard-cuda-checkpoint = snapguard.cuda.cli:main"):
+                   "snapguard-cuda-checkpoint = snapguard.cuda_tool:main"):
         assert script in entry_points
     assert any(r.startswith("prometheus_client") and "extra == \"metrics\"" in r for r in meta.get_all("Requires-Dist"))
     # built for the stable ABI: the only private CPython symbol it may use is Py_DECREF's _Py_Dealloc

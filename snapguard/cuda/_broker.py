@@ -1,0 +1,138 @@
+"""The executor answers CRIU's CUDA plugin itself while CRIU runs.
+
+The plugin runs `cuda-checkpoint` about five times per dump and three per restore (its probe, the
+restore thread's id, the state, the restore and unlock), each a new process that starts Python and
+loads libcuda: 0.15-0.2 s a run on the H200, inside the trainer's stall. The executor has the
+driver loaded already, so for the length of one CRIU run it listens on a socket in that run's
+private directory (snapguard.criu.RunDir: root's, 0700) and CRIU's environment names it
+(SNAPGUARD_CUDA_BROKER). snapguard's `cuda-checkpoint` (snapguard.cuda_tool) sends its arguments
+there and prints the answer, which is exactly what it would have printed itself
+(snapguard.cuda.cli.answer); when nothing listens it answers itself. NVIDIA's binary ignores the
+variable. Only root's connections are served (SO_PEERCRED); a request is one JSON line of at most
+8 KiB, `{"argv": [...], "device_map": "..." | null}`; the reply one JSON line, `{"rc", "stdout",
+"stderr"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._driver import Driver, load
+from .cli import answer
+
+__all__ = ["ENV", "Broker"]
+
+ENV = "SNAPGUARD_CUDA_BROKER"
+REQUEST_MAX = 8192
+_ARGS_MAX, _ARG_MAX, _MAP_MAX = 16, 256, 4096
+
+
+def _request(data: bytes) -> tuple[list[str], str | None] | None:
+    """The request's argv and device map, or None for anything else."""
+    try:
+        req = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(req, dict) or set(req) - {"argv", "device_map"}:
+        return None
+    argv, device_map = req.get("argv"), req.get("device_map")
+    if not isinstance(argv, list) or len(argv) > _ARGS_MAX \
+            or not all(isinstance(a, str) and len(a) <= _ARG_MAX for a in argv):
+        return None
+    if device_map is not None and (not isinstance(device_map, str) or len(device_map) > _MAP_MAX):
+        return None
+    return argv, device_map
+
+
+class Broker:
+    """Serves `cuda-checkpoint` runs on a Unix socket at `path` until closed (a context manager)."""
+
+    def __init__(self, path: str, driver: Callable[[], Driver] = load) -> None:
+        self.path = path
+        self.served = 0
+        self._driver = driver
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(path)
+        except OSError:
+            self._sock.close()
+            raise
+        finally:
+            os.umask(old)
+        self._sock.listen(8)
+        self._sock.settimeout(0.2)  # how soon close() is seen
+        self._thread = threading.Thread(target=self._serve, name="cuda-broker", daemon=True)
+        self._thread.start()
+        # libcuda loaded off the critical path (the dump's executor has it already; a restore not)
+        threading.Thread(target=self._preload, name="cuda-broker-load", daemon=True).start()
+
+    def _preload(self) -> None:
+        try:
+            self._driver()
+        except OSError:
+            pass  # each answer then says the driver cannot be loaded, as the tool would
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    self._handle(conn)
+                except OSError:
+                    pass  # the client went away: nothing to answer
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(10.0)
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.geteuid():
+            self._reply(conn, 126, "", f"cuda-checkpoint: the executor's broker serves uid {os.geteuid()}, not {uid}\n")
+            return
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            data += chunk
+            if len(data) > REQUEST_MAX:
+                self._reply(conn, 2, "", "cuda-checkpoint: request too long\n")
+                return
+        parsed = _request(data)
+        if parsed is None:
+            self._reply(conn, 2, "", "cuda-checkpoint: malformed request to the executor's broker\n")
+            return
+        rc, out, err = answer(parsed[0], parsed[1], self._driver)
+        self.served += 1
+        self._reply(conn, rc, out, err)
+
+    @staticmethod
+    def _reply(conn: socket.socket, rc: int, out: str, err: str) -> None:
+        conn.sendall(json.dumps({"rc": rc, "stdout": out, "stderr": err}).encode() + b"\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        # a driver call in progress (a restore) cannot be interrupted; its thread is a daemon
+        self._thread.join(timeout=5.0)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

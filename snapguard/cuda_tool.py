@@ -1,0 +1,61 @@
+"""`snapguard-cuda-checkpoint`, the cuda-checkpoint CRIU's plugin runs where NVIDIA's is not
+installed (snapguard.cuda.cli has its flags and outputs).
+
+Run by CRIU under snapguard, whose environment names the executor's broker (SNAPGUARD_CUDA_BROKER,
+snapguard.cuda._broker), it sends its arguments there and prints the answer: no libcuda load and
+no driver start-up per run. Anything else, or a broker that cannot be reached, and it answers
+itself. Kept to the standard library until then: it starts several times inside a trainer's stall.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "SNAPGUARD_CUDA_BROKER"  # snapguard.cuda._broker.ENV (not imported: it loads cffi)
+REPLY_WAIT_S = 900.0  # a restore of a large GPU state takes minutes at most; the broker ends with its run
+
+
+def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, str] | None:
+    """The broker's answer; None when it cannot be reached (then nothing was asked)."""
+    import json
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(5.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return None
+        try:
+            s.sendall(json.dumps({"argv": argv, "device_map": device_map}).encode() + b"\n")
+            s.settimeout(REPLY_WAIT_S)
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            reply = json.loads(data)
+            return int(reply["rc"]), str(reply["stdout"]), str(reply["stderr"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # asked, so never asked again here: a lock or a restore must not run twice
+            return 1, "", f"cuda-checkpoint: no answer from the executor's broker at {path}: {e}\n"
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    path = os.environ.get(ENV)
+    got = _ask(path, argv, os.environ.get("SNAPGUARD_DEVICE_MAP")) if path else None
+    if got is None:
+        from .cuda.cli import main as answer_here
+
+        return answer_here(argv)
+    rc, out, err = got
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The executor's cuda-checkpoint broker (snapguard.cuda.Broker) and the tool's client side
+(snapguard.cuda_tool): through the broker the installed `snapguard-cuda-checkpoint` prints and
+exits exactly as it does on its own; a broker it cannot reach leaves it answering itself; one that
+took the request and did not answer is an error, never a second run; only root is served and only
+well-formed requests. (On this machine the driver cannot load: both sides say so alike; on a GPU
+machine the same holds for the driver's own answers, bench/gpu runs it through CRIU.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapguard.cuda import BROKER_ENV, Broker
+
+TOOL = str(Path(sys.executable).parent / "snapguard-cuda-checkpoint")
+CASES = [["-h"], [], ["--get-state"], ["--get-state", "--pid", "1"], ["--get-restore-tid", "--pid", "1"],
+         ["--action", "bogus", "--pid", "1"], ["--action", "lock", "--pid", "1", "--timeout", "5"],
+         ["--action", "restore", "--pid", "1", "--device-map", "nonsense"], ["--pid", "x", "--get-state"],
+         ["--toggle", "--pid", "1"], ["--get-state", "--action", "lock", "--pid", "1"]]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="sgb-", dir="/tmp")  # a socket path fits in sun_path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def tool(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in (BROKER_ENV, "SNAPGUARD_DEVICE_MAP")}
+    done = subprocess.run([TOOL, *argv], env={**base, **env}, capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("device_map", [None, "GPU-a=GPU-b", "broken"])
+def test_through_the_broker_the_tool_answers_as_on_its_own(short_dir: str, device_map: str | None) -> None:
+    extra = {"SNAPGUARD_DEVICE_MAP": device_map} if device_map else {}
+    with Broker(os.path.join(short_dir, "cuda.sock")) as broker:
+        for argv in CASES:
+            alone = tool(argv, extra)
+            through = tool(argv, {**extra, BROKER_ENV: broker.path})
+            assert through == alone, argv
+        assert broker.served == len(CASES)  # every run went through it
+    assert not os.path.exists(broker.path)
+
+
+def test_a_broker_it_cannot_reach_leaves_it_answering_itself(short_dir: str) -> None:
+    for argv in (["-h"], ["--get-state", "--pid", "1"]):
+        assert tool(argv, {BROKER_ENV: os.path.join(short_dir, "absent.sock")}) == tool(argv, {})
+
+
+def test_a_request_taken_and_not_answered_is_an_error_not_a_second_run(short_dir: str) -> None:
+    path = os.path.join(short_dir, "mute.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def take_and_drop() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+
+    t = threading.Thread(target=take_and_drop)
+    t.start()
+    rc, out, err = tool(["-h"], {BROKER_ENV: path})  # -h on its own would print the help and exit 0
+    t.join(timeout=30)
+    server.close()
+    assert (rc, out) == (1, "") and "no answer from the executor's broker" in err
+
+
+def ask(path: str, payload: bytes) -> dict[str, object]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(payload)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data)
+
+
+@pytest.mark.parametrize("payload", [b"not json\n", b'{"argv": "-h"}\n', b'{"argv": [1]}\n', b"[]\n",
+                                     b'{"argv": ["-h"], "extra": 1}\n', b'{"argv": ["-h"], "device_map": 5}\n',
+                                     json.dumps({"argv": ["x" * 300]}).encode() + b"\n",
+                                     b'{"argv": [' + b'"-h",' * 5000 + b'"-h"]}\n'])
+def test_malformed_requests_are_refused(short_dir: str, payload: bytes) -> None:
+    with Broker(os.path.join(short_dir, "cuda.sock")) as broker:
+        reply = ask(broker.path, payload)
+        assert reply["rc"] == 2 and reply["stdout"] == "", reply
+        assert broker.served == 0
+
+
+def test_only_its_own_uid_is_served(short_dir: str) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root: a child that drops to another uid")
+    with Broker(os.path.join(short_dir, "cuda.sock")) as broker:
+        os.chmod(short_dir, 0o755)  # only so that another uid can reach the socket at all
+        os.chmod(broker.path, 0o666)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                reply = ask(broker.path, b'{"argv": ["-h"]}\n')
+                os.write(write, json.dumps(reply).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(child, 0)
+        with os.fdopen(read, "rb") as f:
+            reply = json.loads(f.read())
+        assert reply["rc"] == 126 and reply["stdout"] == "" and "not 65534" in reply["stderr"], reply
+        assert broker.served == 0
+
+
+def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(short_dir: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's wiring: for a CRIU run with CUDA processes, a broker in the run's private
+    directory, named in CRIU's environment, gone after the run, its answers counted; none without
+    CUDA processes or with SNAPGUARD_CUDA_BROKER_OFF=1; and CRIU never inherits the variable."""
+    from snapguard import criu
+    from snapguard.pipeline._sequence import _cuda_broker, _Steps
+
+    monkeypatch.setenv(BROKER_ENV, "/somewhere/else.sock")
+    steps = _Steps()
+    with criu.RunDir(short_dir, "/bin/true", None) as run_dir:
+        opts = criu.CriuOptions(images_dir=short_dir, work_dir=short_dir, libdir=short_dir, timeout_s=5)
+        assert BROKER_ENV not in run_dir.environment(opts)
+        with _cuda_broker(run_dir, True, steps) as env:
+            path = env[BROKER_ENV]
+            assert os.path.dirname(path) == run_dir.path and os.stat(path).st_mode & 0o777 == 0o600
+            assert tool(["-h"], env)[0] == 0 and tool(["--get-state", "--pid", "1"], env)[0] == 1
+        assert not os.path.exists(path)
+        with _cuda_broker(run_dir, False, steps) as env:
+            assert env == {}
+        monkeypatch.setenv("SNAPGUARD_CUDA_BROKER_OFF", "1")
+        with _cuda_broker(run_dir, True, steps) as env:
+            assert env == {}
+    assert steps.counts == {"cuda_broker_answers": 2}
