@@ -13,6 +13,7 @@ import os
 import sys
 
 ENV = "SNAPGUARD_CUDA_BROKER"  # snapguard.cuda._broker.ENV (not imported: it loads cffi)
+REPLY_MAX = 1 << 20  # the help text and a line of output or error fit many times over
 REPLY_WAIT_S = 900.0  # a restore of a large GPU state takes minutes at most; the broker ends with its run
 
 
@@ -20,6 +21,8 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
     """The broker's answer; None when it cannot be reached (then nothing was asked)."""
     import json
     import socket
+
+    from .wire import recv_line
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(5.0)
@@ -30,13 +33,7 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
         try:
             s.sendall(json.dumps({"argv": argv, "device_map": device_map}).encode() + b"\n")
             s.settimeout(REPLY_WAIT_S)
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            reply = json.loads(data)
+            reply = json.loads(recv_line(s, REPLY_MAX))
             return int(reply["rc"]), str(reply["stdout"]), str(reply["stderr"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             # asked, so never asked again here: a lock or a restore must not run twice

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..wire import LineTooLong, recv_line
 from ._driver import Driver, load
 from .cli import answer
 
@@ -100,15 +101,13 @@ class Broker:
         if uid != os.geteuid():
             self._reply(conn, 126, "", f"cuda-checkpoint: the executor's broker serves uid {os.geteuid()}, not {uid}\n")
             return
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(4096)
-            if not chunk:
-                return
-            data += chunk
-            if len(data) > REQUEST_MAX:
-                self._reply(conn, 2, "", "cuda-checkpoint: request too long\n")
-                return
+        try:
+            data = recv_line(conn, REQUEST_MAX)
+        except LineTooLong:
+            self._reply(conn, 2, "", "cuda-checkpoint: request too long\n")
+            return
+        if not data.endswith(b"\n"):
+            return  # the client went away mid-request
         parsed = _request(data)
         if parsed is None:
             self._reply(conn, 2, "", "cuda-checkpoint: malformed request to the executor's broker\n")

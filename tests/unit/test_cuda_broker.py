@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from snapguard.cuda import BROKER_ENV, Broker
+from snapguard.wire import recv_line
 
 TOOL = str(Path(sys.executable).parent / "snapguard-cuda-checkpoint")
 CASES = [["-h"], [], ["--get-state"], ["--get-state", "--pid", "1"], ["--get-restore-tid", "--pid", "1"],
@@ -83,13 +84,7 @@ def ask(path: str, payload: bytes) -> dict[str, object]:
         s.settimeout(30)
         s.connect(path)
         s.sendall(payload)
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data)
+        return json.loads(recv_line(s, 1 << 20))
 
 
 @pytest.mark.parametrize("payload", [b"not json\n", b'{"argv": "-h"}\n', b'{"argv": [1]}\n', b"[]\n",
@@ -109,20 +104,19 @@ def test_only_its_own_uid_is_served(short_dir: str) -> None:
     with Broker(os.path.join(short_dir, "cuda.sock")) as broker:
         os.chmod(short_dir, 0o755)  # only so that another uid can reach the socket at all
         os.chmod(broker.path, 0o666)
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                reply = ask(broker.path, b'{"argv": ["-h"]}\n')
-                os.write(write, json.dumps(reply).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        _, status = os.waitpid(child, 0)
-        with os.fdopen(read, "rb") as f:
-            reply = json.loads(f.read())
+        code = ("import json, socket, sys\n"
+                "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(30); s.connect(sys.argv[1])\n"
+                "data = b''  # nothing sent: the broker refuses before it reads\n"
+                "while not data.endswith(b'\\n'):\n"
+                "    chunk = s.recv(65536)\n"
+                "    if not chunk: break\n"
+                "    data += chunk\n"
+                "sys.stdout.write(data.decode())\n")
+        # the system interpreter: the test's own may sit where that uid cannot reach
+        done = subprocess.run(["/usr/bin/python3", "-I", "-c", code, broker.path], user=65534, group=65534,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        reply = json.loads(done.stdout)
         assert reply["rc"] == 126 and reply["stdout"] == "" and "not 65534" in reply["stderr"], reply
         assert broker.served == 0
 
@@ -131,11 +125,12 @@ def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(sho
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The pipeline's wiring: for a CRIU run with CUDA processes, a broker in the run's private
     directory, named in CRIU's environment, gone after the run, its answers counted; none without
-    CUDA processes or with SNAPGUARD_CUDA_BROKER_OFF=1; and CRIU never inherits the variable."""
+    CUDA processes or without SNAPGUARD_CUDA_BROKER_ON=1 (opt-in); and CRIU never inherits the variable."""
     from snapguard import criu
     from snapguard.pipeline._sequence import _cuda_broker, _Steps
 
     monkeypatch.setenv(BROKER_ENV, "/somewhere/else.sock")
+    monkeypatch.setenv("SNAPGUARD_CUDA_BROKER_ON", "1")
     steps = _Steps()
     with criu.RunDir(short_dir, "/bin/true", None) as run_dir:
         opts = criu.CriuOptions(images_dir=short_dir, work_dir=short_dir, libdir=short_dir, timeout_s=5)
@@ -147,7 +142,7 @@ def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(sho
         assert not os.path.exists(path)
         with _cuda_broker(run_dir, False, steps) as env:
             assert env == {}
-        monkeypatch.setenv("SNAPGUARD_CUDA_BROKER_OFF", "1")
+        monkeypatch.delenv("SNAPGUARD_CUDA_BROKER_ON")
         with _cuda_broker(run_dir, True, steps) as env:
             assert env == {}
     assert steps.counts == {"cuda_broker_answers": 2}

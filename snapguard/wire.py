@@ -1,0 +1,26 @@
+"""One JSON line over a Unix stream socket: how the executor's cuda-checkpoint broker and the tool
+talk (snapguard.cuda._broker, snapguard.cuda_tool). Standard library only: the tool imports it
+inside a trainer's stall."""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["LineTooLong", "recv_line"]
+
+
+class LineTooLong(ValueError):
+    """More than the limit before the newline."""
+
+
+def recv_line(sock: socket.socket, limit: int) -> bytes:
+    """Bytes up to and with the first newline, or what came before the peer closed (maybe b"")."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(min(65536, limit + 1 - len(data)))
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            raise LineTooLong(f"over {limit} bytes")
+    return data
