@@ -21,6 +21,7 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
     """The broker's answer; None when it cannot be reached (then nothing was asked)."""
     import json
     import socket
+    import struct
 
     from .wire import recv_line
 
@@ -28,7 +29,13 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
         s.settimeout(5.0)
         try:
             s.connect(path)
+            # only the executor's broker, which runs as this tool's user (root under CRIU): a
+            # socket anyone else listens on is not asked, and nothing has been sent yet
+            _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
         except OSError:
+            return None
+        if uid != os.geteuid():
             return None
         try:
             s.sendall(json.dumps({"argv": argv, "device_map": device_map}).encode() + b"\n")

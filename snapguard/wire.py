@@ -14,13 +14,14 @@ class LineTooLong(ValueError):
 
 
 def recv_line(sock: socket.socket, limit: int) -> bytes:
-    """Bytes up to and with the first newline, or what came before the peer closed (maybe b"")."""
+    """Bytes up to and with the first newline (what follows it in the same read is dropped: one
+    message per connection), or what came before the peer closed (maybe b"")."""
     data = b""
-    while not data.endswith(b"\n"):
+    while b"\n" not in data:
         chunk = sock.recv(min(65536, limit + 1 - len(data)))
         if not chunk:
-            break
+            return data
         data += chunk
-        if len(data) > limit:
+        if len(data) > limit and b"\n" not in data:
             raise LineTooLong(f"over {limit} bytes")
-    return data
+    return data[:data.index(b"\n") + 1]

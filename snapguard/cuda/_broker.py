@@ -38,7 +38,7 @@ def _request(data: bytes) -> tuple[list[str], str | None] | None:
     """The request's argv and device map, or None for anything else."""
     try:
         req = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return None
     if not isinstance(req, dict) or set(req) - {"argv", "device_map"}:
         return None
@@ -60,16 +60,17 @@ class Broker:
         self._driver = driver
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
         try:
+            # no umask change: it is process-wide, and the executor's other threads create files;
+            # the run's directory (0700, root's) guards the socket until the chmod
             self._sock.bind(path)
+            os.chmod(path, 0o600)
+            self._sock.listen(8)
         except OSError:
             self._sock.close()
             raise
-        finally:
-            os.umask(old)
-        self._sock.listen(8)
         self._sock.settimeout(0.2)  # how soon close() is seen
+        self.abandoned = False  # a driver call still running when close() stopped waiting
         self._thread = threading.Thread(target=self._serve, name="cuda-broker", daemon=True)
         self._thread.start()
         # libcuda loaded off the critical path (the dump's executor has it already; a restore not)
@@ -94,6 +95,12 @@ class Broker:
                     self._handle(conn)
                 except OSError:
                     pass  # the client went away: nothing to answer
+                except Exception as e:  # never the end of the broker: the next run must get an answer
+                    try:
+                        self._reply(conn, 1, "", f"cuda-checkpoint: the executor's broker failed: "
+                                                 f"{type(e).__name__}: {' '.join(str(e).split())}\n")
+                    except OSError:
+                        pass
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
@@ -120,11 +127,14 @@ class Broker:
     def _reply(conn: socket.socket, rc: int, out: str, err: str) -> None:
         conn.sendall(json.dumps({"rc": rc, "stdout": out, "stderr": err}).encode() + b"\n")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop serving; wait up to `wait_s` for an answer in progress (a driver call cannot be
+        interrupted: a restore of a large GPU state takes seconds), then go on regardless and say
+        so in `abandoned` (its thread is a daemon)."""
         self._stop.set()
         self._sock.close()
-        # a driver call in progress (a restore) cannot be interrupted; its thread is a daemon
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=wait_s)
+        self.abandoned = self._thread.is_alive()
         try:
             os.unlink(self.path)
         except OSError:

@@ -116,6 +116,8 @@ def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver]
         return 1, out, f"cuda-checkpoint: {e}\n"
     except OSError as e:
         return 1, out, f"cuda-checkpoint: cannot load the CUDA driver: {e}\n"
+    except (ValueError, OverflowError, TypeError) as e:  # a UUID or a number the driver's types refuse
+        return 2, out, f"cuda-checkpoint: {type(e).__name__}: {' '.join(str(e).split())}\n"
     return 0, out, ""
 
 

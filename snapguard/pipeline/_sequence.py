@@ -299,7 +299,8 @@ def _device_map(req: Request, report: preflight.Report, config: Config) -> list[
     from .. import children
 
     helps = children.run_captured([tool, "-h"], timeout_s=30, what="cuda-checkpoint -h",
-                                  reason=Reason.CUDA_PLUGIN_UNAVAILABLE).stdout if tool else ""
+                                  reason=Reason.CUDA_PLUGIN_UNAVAILABLE,
+                                  env=_without_broker()).stdout if tool else ""
     if "SNAPGUARD_DEVICE_MAP" not in helps:
         raise SnapguardError(Reason.GPU_IDENTITY_MISMATCH,
                              f"the image's GPUs are not here and {tool} cannot take a device map from CRIU's "
@@ -348,6 +349,13 @@ def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Re
     return pairs + list(zip(left_old, left_new))
 
 
+def _without_broker() -> dict[str, str]:
+    """This process's environment for a cuda-checkpoint run of its own: no broker named in it."""
+    from ..cuda import BROKER_ENV
+
+    return {k: v for k, v in os.environ.items() if k != BROKER_ENV}
+
+
 @contextmanager
 def _cuda_broker(run_dir: criu.RunDir, gpu: bool, steps: _Steps) -> Iterator[dict[str, str]]:
     """For one CRIU run with CUDA processes: the executor answers its plugin's cuda-checkpoint runs
@@ -363,12 +371,17 @@ def _cuda_broker(run_dir: criu.RunDir, gpu: bool, steps: _Steps) -> Iterator[dic
 
     try:
         broker = cuda.Broker(os.path.join(run_dir.path, "cuda.sock"))
-    except OSError:
+    except OSError:  # a state directory too deep for a socket's name, say
+        steps.counts["cuda_broker_unavailable"] = 1
         yield {}
         return
-    with broker:
+    try:
         yield {cuda.BROKER_ENV: broker.path}
-    steps.counts["cuda_broker_answers"] = broker.served
+    finally:
+        broker.close()
+        steps.counts["cuda_broker_answers"] = broker.served
+        if broker.abandoned:
+            steps.counts["cuda_broker_abandoned"] = 1
 
 
 def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:

@@ -71,7 +71,8 @@ def test_a_request_taken_and_not_answered_is_an_error_not_a_second_run(short_dir
         with conn:
             conn.recv(4096)
 
-    t = threading.Thread(target=take_and_drop)
+    server.settimeout(60)  # a tool that never connects fails the test, never hangs it
+    t = threading.Thread(target=take_and_drop, daemon=True)
     t.start()
     rc, out, err = tool(["-h"], {BROKER_ENV: path})  # -h on its own would print the help and exit 0
     t.join(timeout=30)
@@ -90,7 +91,9 @@ def ask(path: str, payload: bytes) -> dict[str, object]:
 @pytest.mark.parametrize("payload", [b"not json\n", b'{"argv": "-h"}\n', b'{"argv": [1]}\n', b"[]\n",
                                      b'{"argv": ["-h"], "extra": 1}\n', b'{"argv": ["-h"], "device_map": 5}\n',
                                      json.dumps({"argv": ["x" * 300]}).encode() + b"\n",
-                                     b'{"argv": [' + b'"-h",' * 5000 + b'"-h"]}\n'])
+                                     b'{"argv": [' + b'"-h",' * 5000 + b'"-h"]}\n',
+                                     b'{"argv": ' + b"[" * 4000 + b"]" * 4000 + b"}\n",  # past json's depth
+                                     b'{"argv": ["\xff\xfe"]}\n'])
 def test_malformed_requests_are_refused(short_dir: str, payload: bytes) -> None:
     with Broker(os.path.join(short_dir, "cuda.sock")) as broker:
         reply = ask(broker.path, payload)
@@ -133,6 +136,8 @@ def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(sho
     monkeypatch.setenv("SNAPGUARD_CUDA_BROKER_ON", "1")
     steps = _Steps()
     with criu.RunDir(short_dir, "/bin/true", None) as run_dir:
+        st = os.lstat(run_dir.path)
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700  # the socket's only guard
         opts = criu.CriuOptions(images_dir=short_dir, work_dir=short_dir, libdir=short_dir, timeout_s=5)
         assert BROKER_ENV not in run_dir.environment(opts)
         with _cuda_broker(run_dir, True, steps) as env:
@@ -142,7 +147,55 @@ def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(sho
         assert not os.path.exists(path)
         with _cuda_broker(run_dir, False, steps) as env:
             assert env == {}
+        assert steps.counts == {"cuda_broker_answers": 2}
+        failed = _Steps()
+        with pytest.raises(RuntimeError), _cuda_broker(run_dir, True, failed) as env:
+            raise RuntimeError("CRIU's run failed")  # the broker still closes, its answers still counted
+        assert not os.path.exists(env[BROKER_ENV]) and failed.counts == {"cuda_broker_answers": 0}
         monkeypatch.delenv("SNAPGUARD_CUDA_BROKER_ON")
         with _cuda_broker(run_dir, True, steps) as env:
             assert env == {}
     assert steps.counts == {"cuda_broker_answers": 2}
+
+
+class _RefusingDriver:
+    """The driver's Python side raising what its C types refuse (a GPU UUID that is not one, a
+    timeout past an int): on this machine libcuda cannot load, so the real one never gets there."""
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        raise OverflowError("int too big to convert")
+
+    def restore(self, pid: int, pairs: object = None) -> None:
+        raise ValueError("badly formed hexadecimal UUID string")
+
+
+def test_what_the_driver_refuses_is_one_line_and_the_broker_serves_on(short_dir: str) -> None:
+    with Broker(os.path.join(short_dir, "cuda.sock"), driver=_RefusingDriver) as broker:  # type: ignore[arg-type]
+        for argv in (["--action", "lock", "--pid", "1", "--timeout", str(2**40)],
+                     ["--action", "restore", "--pid", "1", "--device-map", "GPU-a=GPU-b"]):
+            rc, out, err = tool(argv, {BROKER_ENV: broker.path})
+            assert rc == 2 and out == "" and err.count("\n") == 1 and "Error" in err, (argv, err)
+        assert tool(["-h"], {BROKER_ENV: broker.path})[0] == 0
+        assert broker.served == 3
+
+
+def test_the_tool_asks_no_listener_of_another_uid(short_dir: str) -> None:
+    """A socket someone else listens on is never asked: the tool answers itself."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root: a listener of another uid")
+    os.chmod(short_dir, 0o777)
+    path = os.path.join(short_dir, "foreign.sock")
+    code = ("import socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind(sys.argv[1]); s.listen(4)\n"
+            "print('ready', flush=True); s.settimeout(60)\n"
+            "c, _ = s.accept(); c.sendall(b'{\"rc\": 0, \"stdout\": \"running\\\\n\", \"stderr\": \"\"}\\n')\n"
+            "time.sleep(5)\n")
+    listener = subprocess.Popen(["/usr/bin/python3", "-I", "-c", code, path], user=65534, group=65534,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+        argv = ["--get-state", "--pid", "1"]
+        assert tool(argv, {BROKER_ENV: path}) == tool(argv, {})  # not the listener's "running"
+    finally:
+        listener.kill()
+        listener.wait(timeout=30)
