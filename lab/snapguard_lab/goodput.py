@@ -469,6 +469,42 @@ def relaunch_parity_s(stalls: list[dict[str, Any]], end: float) -> float:
     return sum(float(p["seconds"]) for p in stalls[1:] if p["at"] < end)
 
 
+def down_intervals(arm: dict[str, Any]) -> list[tuple[float, float]]:
+    """When an arm's training stood still for an event, as absolute times: from the kill (A, an
+    unannounced loss) or the snapshot's freeze to the first new step."""
+    t0, out = arm["first_step_time"], []
+    for e in arm.get("events", []):
+        if "kill_s" in e and "kill_to_first_new_step_s" in e:
+            start = t0 + e["kill_s"]
+            out.append((start, start + e["kill_to_first_new_step_s"]))
+        elif "notice_to_first_new_step_s" in e:
+            notice = t0 + e["handled_s"]
+            out.append((notice + (e.get("snapshot") or {}).get("notice_to_freeze_s", 0.0),
+                        notice + e["notice_to_first_new_step_s"]))
+    return out
+
+
+def pace_while_arms_down(rows: list[tuple[int, str, float]], start: float, end: float,
+                         down: list[tuple[float, float]]) -> dict[str, float | None]:
+    """The uninterrupted run's steps per second inside [start, end] while any arm stood still and
+    while none did: sharing one GPU, it steps faster when fewer share it (the planner knows no such
+    thing, so its prediction and the measured goodput part by that much)."""
+    spans = sorted((max(a, start), min(b, end)) for a, b in down if min(b, end) > max(a, start))
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    down_s = sum(b - a for a, b in merged)
+    times = [t for _, _, t in rows if start < t <= end]
+    in_down = sum(1 for t in times if any(a < t <= b for a, b in merged))
+    up_s = (end - start) - down_s
+    return {"seconds_any_arm_down": round(down_s, 3),
+            "steps_per_s_any_arm_down": round(in_down / down_s, 3) if down_s > 0 else None,
+            "steps_per_s_no_arm_down": round((len(times) - in_down) / up_s, 3) if up_s > 0 else None}
+
+
 def credit_steps(credit_s: float, step_time_s: float | None) -> int:
     """`credit_s` of parity as steps at the arm's median pace in the window (not run on after the
     window, when the other arms sharing the GPU have stopped and it would step faster)."""
@@ -963,6 +999,10 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         ok = ok and a["bits"]["bit_identical"] and a["ran_all_events"]
     cal_bits = check_bits(ref_rows, _rows(Path(cal["log"])))
     ok = ok and cal_bits["bit_identical"]
+    # only arms that ran beside the uninterrupted run can have changed its pace
+    pace = pace_while_arms_down(ref_rows, ref["first_step_time"], ref["first_step_time"] + scaled.window_s,
+                                [iv for a in arms_out.values() if not a.get("failed") for iv in down_intervals(a)]) \
+        if concurrent else None
     out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent, "context_parity": parity,
            "shape_reference_s": asdict(shape), "shape_s": asdict(scaled), "trainer_args": list(trainer_args),
            "schedule": [e.to_dict() for e in schedule],
@@ -972,10 +1012,14 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
                                                       "leads_s": [round(e.lead or 0, 3) for e in schedule
                                                                   if e.kind == "notice"]}},
            "reference": {"steps_in_window": ref_steps, "rows": len(ref_rows),
-                         "context_parity": ref.get("context_parity", []),
+                         "context_parity": ref.get("context_parity", []), "pace": pace,
                          "step_time_s": _median([b[2] - a[2] for a, b in zip(ref_rows, ref_rows[1:])])},
            "arms": arms_out}
     print(_table(out), flush=True)
+    if pace and pace["steps_per_s_any_arm_down"] is not None and pace["steps_per_s_no_arm_down"]:
+        print(f"goodput drill: the uninterrupted run stepped {pace['steps_per_s_any_arm_down']:.2f}/s while an arm "
+              f"stood still ({pace['seconds_any_arm_down']:.0f} s), {pace['steps_per_s_no_arm_down']:.2f}/s "
+              "otherwise", flush=True)
     print(f"goodput drill: uninterrupted run {ref_steps} steps in {scaled.window_s:.1f} s; "
           + ("PASS" if ok else "FAIL"), flush=True)
     if json_path:

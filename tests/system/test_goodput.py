@@ -64,6 +64,9 @@ def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert set(report["planner_inputs"]["costs"]) >= {"file_stall_s", "cold_start_s", "snapshot_lag_s",
                                                       "snapshot_restore_s", "notice_downtime_s"}
     assert report["reference"]["steps_in_window"] > 20
+    # its pace beside arms standing still is measured only when they share its time (--concurrent;
+    # tests/unit/test_goodput_credit.py has the arithmetic)
+    assert report["reference"]["pace"] is None
     arms = report["arms"]
     assert set(arms) == {"A", "B", "C", "D"}
     # C's cadence is the planner's (set from the calibrated costs), D writes none, A and B every 3 s

@@ -34,3 +34,31 @@ def test_a_stall_begun_before_the_end_counts_whole() -> None:
 def test_no_credit_without_a_pace() -> None:
     assert credit_steps(0.0, 0.1) == 0
     assert credit_steps(5.0, None) == 0
+
+
+def test_down_intervals_from_an_arms_events() -> None:
+    from snapguard_lab.goodput import down_intervals
+
+    # the H200 run's arm A (cold start after the machine went) and D (snapshot on notice)
+    a = {"first_step_time": 1000.0, "events": [{"handled_s": 180.681, "kill_s": 264.919,
+                                                "kill_to_first_new_step_s": 14.027,
+                                                "notice_to_first_new_step_s": 98.265}]}
+    d = {"first_step_time": 1000.0, "events": [{"handled_s": 180.681, "notice_to_first_new_step_s": 12.439,
+                                                "snapshot": {"notice_to_freeze_s": 0.138}}]}
+    assert down_intervals(a) == [(pytest.approx(1264.919), pytest.approx(1278.946))]
+    assert down_intervals(d) == [(pytest.approx(1180.819), pytest.approx(1193.12))]
+    assert down_intervals({"first_step_time": 0.0, "events": [{"handled_s": 5.0, "outcome": "absorbed"}]}) == []
+
+
+def test_pace_while_arms_down() -> None:
+    from snapguard_lab.goodput import pace_while_arms_down
+
+    # a step every 0.5 s, every 0.25 s while an arm is down (two overlapping spans: 20-30 s)
+    times = [i * 0.5 for i in range(1, 41)] + [20 + i * 0.25 for i in range(1, 41)] + \
+        [30 + i * 0.5 for i in range(1, 61)]
+    rows = [(n, "x", t) for n, t in enumerate(times)]
+    pace = pace_while_arms_down(rows, 0.0, 60.0, [(20.0, 26.0), (24.0, 30.0), (70.0, 80.0)])
+    assert pace["seconds_any_arm_down"] == pytest.approx(10.0)
+    assert pace["steps_per_s_any_arm_down"] == pytest.approx(4.0)
+    assert pace["steps_per_s_no_arm_down"] == pytest.approx(2.0)
+    assert pace_while_arms_down(rows, 0.0, 60.0, [])["steps_per_s_any_arm_down"] is None
