@@ -21,9 +21,8 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
     """The broker's answer; None when it cannot be reached (then nothing was asked)."""
     import json
     import socket
-    import struct
 
-    from .wire import recv_line
+    from .wire import peer_uid, recv_line
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(5.0)
@@ -31,8 +30,7 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
             s.connect(path)
             # only the executor's broker, which runs as this tool's user (root under CRIU): a
             # socket anyone else listens on is not asked, and nothing has been sent yet
-            _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                         struct.calcsize("3i")))
+            uid = peer_uid(s)
         except OSError:
             return None
         if uid != os.geteuid():

@@ -5,8 +5,9 @@ inside a trainer's stall."""
 from __future__ import annotations
 
 import socket
+import struct
 
-__all__ = ["LineTooLong", "recv_line"]
+__all__ = ["LineTooLong", "peer_uid", "recv_line"]
 
 
 class LineTooLong(ValueError):
@@ -25,3 +26,9 @@ def recv_line(sock: socket.socket, limit: int) -> bytes:
         if len(data) > limit and b"\n" not in data:
             raise LineTooLong(f"over {limit} bytes")
     return data[:data.index(b"\n") + 1]
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(uid)

@@ -511,7 +511,6 @@ def credit_steps(credit_s: float, step_time_s: float | None) -> int:
     return round(credit_s / step_time_s) if credit_s > 0 and step_time_s else 0
 
 
-
 class Arm:
     def __init__(self, spec: ArmSpec, base: Path, shape: Shape, schedule: list[Event], trainer_args: tuple[str, ...],
                  file_every: float | None, say: Callable[[str], None], parity: bool = False) -> None:

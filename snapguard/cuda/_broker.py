@@ -1,6 +1,6 @@
 """The executor answers CRIU's CUDA plugin itself while CRIU runs.
 
-The plugin runs `cuda-checkpoint` about five times per dump and three per restore (its probe, the
+The plugin runs `cuda-checkpoint` about five times per dump and four per restore (its probe, the
 restore thread's id, the state, the restore and unlock), each a new process that starts Python and
 loads libcuda: 0.15-0.2 s a run on the H200, inside the trainer's stall. The executor has the
 driver loaded already, so for the length of one CRIU run it listens on a socket in that run's
@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..wire import LineTooLong, recv_line
+from ..wire import LineTooLong, peer_uid, recv_line
 from ._driver import Driver, load
 from .cli import answer
 
@@ -104,7 +103,7 @@ class Broker:
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        uid = peer_uid(conn)
         if uid != os.geteuid():
             self._reply(conn, 126, "", f"cuda-checkpoint: the executor's broker serves uid {os.geteuid()}, not {uid}\n")
             return
