@@ -3,6 +3,10 @@
 A child (runc, CRIU, cuda-checkpoint) starts in a process group of its own; when its deadline
 passes the whole group is killed (runc's CRIU and CRIU's helpers with it) and the caller gets a
 typed reason, so the executor, and containerd's task with it, never hangs.
+
+A child given no environment gets the executor's, less the entry that names a cuda-checkpoint
+broker (snapguard.wire.BROKER_ENV): only the CRIU run a broker serves is told of it, by the
+environment its caller builds, so no other child (a `cuda-checkpoint -h` probe, runc, ctr) asks it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from .reasons import Reason, SnapguardError
+from .wire import BROKER_ENV
 
 __all__ = ["ChildTimeout", "probe", "run", "run_captured"]
 
@@ -33,6 +38,10 @@ def _kill_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
         pass  # unkillable (D state): the deadline still ends our wait
 
 
+def _environment(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return env if env is not None else {k: v for k, v in os.environ.items() if k != BROKER_ENV}
+
+
 def _start_error(argv: list[str], what: str, e: OSError, reason: Reason) -> SnapguardError:
     return SnapguardError(reason, f"{what}: {argv[0]} did not start: {e.strerror or e}",
                           evidence={"argv0": argv[0], "errno": e.errno})
@@ -49,7 +58,7 @@ def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Ma
     finishing (CRIU ends a stopped dump's tree itself), then its group is killed and the caller
     gets `pointless_reason` with that why."""
     try:
-        proc = subprocess.Popen(argv, env=env, close_fds=not inherit_fds, process_group=0,
+        proc = subprocess.Popen(argv, env=_environment(env), close_fds=not inherit_fds, process_group=0,
                                 stdin=None if inherit_fds else subprocess.DEVNULL)
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
@@ -86,7 +95,7 @@ def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason
                  start_reason: Reason | None = None) -> subprocess.CompletedProcess[str]:
     """Run argv with its output captured (text, undecodable bytes replaced) within timeout_s."""
     try:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(argv, env=_environment(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", process_group=0)
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None

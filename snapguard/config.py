@@ -41,6 +41,9 @@ DEFAULTS = {
     "criu_timeout_s": 60,
     # how long a snapshot waits for the workload's take point before going on without it
     "take_wait_s": 10,
+    # the executor answers CRIU's CUDA plugin's cuda-checkpoint runs itself while CRIU runs
+    # (snapguard.cuda.Broker): a shorter stall and restore on the H200; false runs the tool each time
+    "cuda_broker": True,
 }
 
 ENV_OVERRIDES = {
@@ -49,7 +52,11 @@ ENV_OVERRIDES = {
     "criu_libdir": "SNAPGUARD_CRIU_LIBDIR",
     "cuda_checkpoint": "SNAPGUARD_CUDA_CHECKPOINT",
     "state_dir": "SNAPGUARD_STATE_DIR",
+    "cuda_broker": "SNAPGUARD_CUDA_BROKER_ON",
 }
+
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False}
 
 _PATH_KEYS = ("runc", "criu", "criu_libdir", "cuda_checkpoint", "state_dir")
 
@@ -77,6 +84,7 @@ class Config:
     state_dir: str
     criu_timeout_s: int
     take_wait_s: int
+    cuda_broker: bool
 
     def __init__(self, values: dict[str, object], source: str | None, source_stat: os.stat_result | None = None) -> None:
         self.source = source
@@ -204,6 +212,11 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
     for key, var in ENV_OVERRIDES.items():
         if env.get(var):
             values[key] = env[var]
+    if env.get(ENV_OVERRIDES["cuda_broker"]):
+        word = env[ENV_OVERRIDES["cuda_broker"]].strip().lower()
+        if word not in _SWITCH_WORDS:
+            raise ConfigError(f"{ENV_OVERRIDES['cuda_broker']} must be 1 or 0, got {env[ENV_OVERRIDES['cuda_broker']]!r}")
+        values["cuda_broker"] = _SWITCH_WORDS[word]
     for key in _PATH_KEYS:
         value = values[key]
         if not isinstance(value, str) or not os.path.isabs(value):
@@ -212,6 +225,8 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
         value = values[key]
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
             raise ConfigError(f"`{key}` must be an integer from 1 to {high}, got {value!r}")
+    if not isinstance(values["cuda_broker"], bool):
+        raise ConfigError(f"`cuda_broker` must be true or false, got {values['cuda_broker']!r}")
     for key in check:
         value = str(values[key])
         if key == "criu_libdir":

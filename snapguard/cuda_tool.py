@@ -1,7 +1,7 @@
 """`snapguard-cuda-checkpoint`, the cuda-checkpoint CRIU's plugin runs where NVIDIA's is not
 installed (snapguard.cuda.cli has its flags and outputs).
 
-Run by CRIU under snapguard, whose environment names the executor's broker (SNAPGUARD_CUDA_BROKER,
+Run by CRIU under snapguard, whose environment names the executor's broker (snapguard.wire.BROKER_ENV,
 snapguard.cuda._broker), it sends its arguments there and prints the answer: no libcuda load and
 no driver start-up per run. Anything else, or a broker that cannot be reached, and it answers
 itself. Kept to the standard library until then: it starts several times inside a trainer's stall.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-ENV = "SNAPGUARD_CUDA_BROKER"  # snapguard.cuda._broker.ENV (not imported: it loads cffi)
+from .wire import BROKER_ENV as ENV  # standard library only, unlike snapguard.cuda (cffi)
 REPLY_MAX = 1 << 20  # the help text and a line of output or error fit many times over
 REPLY_WAIT_S = 900.0  # a restore of a large GPU state takes minutes at most; the broker ends with its run
 

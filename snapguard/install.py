@@ -90,6 +90,7 @@ CONFIG_COMMENTS = {
     "state_dir": "root-only: run directories, the runc path cache",
     "criu_timeout_s": "CRIU's own timeout, seconds",
     "take_wait_s": "how long a snapshot waits for the workload's take point, seconds",
+    "cuda_broker": "the executor answers CRIU's CUDA plugin itself while CRIU runs (shorter stall and restore)",
 }
 MAX_FILE_BYTES = 1 << 20
 # snapguard-runc's C launcher: the pinned compiler, the installed name (beside the Python

@@ -7,7 +7,12 @@ from __future__ import annotations
 import socket
 import struct
 
-__all__ = ["LineTooLong", "peer_uid", "recv_line"]
+__all__ = ["BROKER_ENV", "LineTooLong", "peer_uid", "recv_line"]
+
+# The environment entry that names the executor's broker socket: set by snapguard for the CRIU it
+# runs (so for CRIU's plugin and the tool it starts), never inherited by any other child of it
+# (snapguard.children, snapguard.criu.RunDir).
+BROKER_ENV = "SNAPGUARD_CUDA_BROKER"
 
 
 class LineTooLong(ValueError):

@@ -14,13 +14,14 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from ..wire import BROKER_ENV
+
 __all__ = ["CriuOptions", "RunDir", "SYSTEM_PATH"]
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A preload or an audit library in the caller's environment would run inside CRIU, as root; the
 # device map and the executor's cuda-checkpoint broker are snapguard's to set, never inherited.
-_DROPPED_ENV = ("LD_PRELOAD", "LD_AUDIT", "SNAPGUARD_DEVICE_MAP", "SNAPGUARD_CUDA_BROKER", "CRIU_CONFIG_FILE",
-                "CRIU_LIBS_DIR")
+_DROPPED_ENV = ("LD_PRELOAD", "LD_AUDIT", "SNAPGUARD_DEVICE_MAP", BROKER_ENV, "CRIU_CONFIG_FILE", "CRIU_LIBS_DIR")
 
 
 @dataclass(frozen=True)

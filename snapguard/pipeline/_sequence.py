@@ -167,7 +167,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         try:
             with steps.step("dump", Reason.CRIU_DUMP_FAILED), \
                     criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
-                    _cuda_broker(run_dir, bool(cuda_pids), steps) as broker_env:
+                    _cuda_broker(run_dir, bool(cuda_pids), config, steps) as broker_env:
                 rc = runner.dump(req, options, {**run_dir.environment(options), **broker_env})
         except SnapguardError as e:  # a deadline passed, or runc or CRIU did not start
             failure = e
@@ -299,8 +299,7 @@ def _device_map(req: Request, report: preflight.Report, config: Config) -> list[
     from .. import children
 
     helps = children.run_captured([tool, "-h"], timeout_s=30, what="cuda-checkpoint -h",
-                                  reason=Reason.CUDA_PLUGIN_UNAVAILABLE,
-                                  env=_without_broker()).stdout if tool else ""
+                                  reason=Reason.CUDA_PLUGIN_UNAVAILABLE).stdout if tool else ""
     if "SNAPGUARD_DEVICE_MAP" not in helps:
         raise SnapguardError(Reason.GPU_IDENTITY_MISMATCH,
                              f"the image's GPUs are not here and {tool} cannot take a device map from CRIU's "
@@ -349,22 +348,16 @@ def _resolve_device_map(given: tuple[tuple[str, str], ...], report: preflight.Re
     return pairs + list(zip(left_old, left_new))
 
 
-def _without_broker() -> dict[str, str]:
-    """This process's environment for a cuda-checkpoint run of its own: no broker named in it."""
-    from ..cuda import BROKER_ENV
-
-    return {k: v for k, v in os.environ.items() if k != BROKER_ENV}
-
-
 @contextmanager
-def _cuda_broker(run_dir: criu.RunDir, gpu: bool, steps: _Steps) -> Iterator[dict[str, str]]:
+def _cuda_broker(run_dir: criu.RunDir, gpu: bool, config: Config, steps: _Steps) -> Iterator[dict[str, str]]:
     """For one CRIU run with CUDA processes: the executor answers its plugin's cuda-checkpoint runs
     (snapguard.cuda.Broker); the environment entry that names it, or none when it cannot start
     (the tool then answers itself, as before). How many runs it answered goes into the record's
-    `counts`. Opt-in for now, SNAPGUARD_CUDA_BROKER_ON=1 in the executor's environment: on the H200
-    it moved CRIU's seize 0.2-0.4 s earlier, but one run each way did not show the stall or the
-    restore shorter, and the GPU fault matrix has not run with it (bench/results/h200/README.md)."""
-    if not gpu or os.environ.get("SNAPGUARD_CUDA_BROKER_ON") != "1":
+    `counts`. On unless the config says `cuda_broker = false` (or SNAPGUARD_CUDA_BROKER_ON=0): on
+    the H200, five interleaved pairs with and without it gave a median stall of 3.97 against 4.69 s
+    and a warm restore of 3.14 against 3.74 s, and the GPU fault matrix passed with it
+    (bench/results/h200x2/README.md)."""
+    if not gpu or not config.cuda_broker:
         yield {}
         return
     from .. import cuda
@@ -446,7 +439,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
         try:
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
                     criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
-                    _cuda_broker(run_dir, bool(manifest.get("gpu")), steps) as broker_env:
+                    _cuda_broker(run_dir, bool(manifest.get("gpu")), config, steps) as broker_env:
                 rc = runner.restore(req, options, {**run_dir.environment(options, device_map), **broker_env})
         finally:
             with steps.step("verify_wait", Reason.IMAGE_CORRUPT, image=req.image_dir):

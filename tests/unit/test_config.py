@@ -27,6 +27,8 @@ def test_file_then_env_override(tmp_path: Path) -> None:
     ('runc = \n', "not valid TOML"),
     ('criu_timeout_s = "60"\n', "criu_timeout_s"),
     ('criu_timeout_s = true\n', "criu_timeout_s"),
+    ('cuda_broker = "0"\n', "`cuda_broker` must be true or false"),
+    ('cuda_broker = 1\n', "`cuda_broker` must be true or false"),
 ])
 def test_invalid_config(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "c.toml"
@@ -34,6 +36,19 @@ def test_invalid_config(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         load({"SNAPGUARD_CONFIG": str(f)})
     assert e.value.reason == "CONFIG_INVALID" and "\n" not in str(e.value)
+
+
+def test_cuda_broker_is_on_unless_the_file_or_the_environment_says_off(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("")
+    assert load({"SNAPGUARD_CONFIG": str(f)}).cuda_broker is True
+    assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "0"}).cuda_broker is False
+    f.write_text("cuda_broker = false\n")
+    assert load({"SNAPGUARD_CONFIG": str(f)}).cuda_broker is False
+    assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "1"}).cuda_broker is True
+    with pytest.raises(ConfigError, match="SNAPGUARD_CUDA_BROKER_ON must be 1 or 0") as e:
+        load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "maybe"})
+    assert e.value.reason == "CONFIG_INVALID"
 
 
 def test_named_config_must_exist(tmp_path: Path) -> None:

@@ -128,34 +128,53 @@ def test_a_snapshot_with_cuda_processes_runs_crius_plugin_against_its_broker(sho
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The pipeline's wiring: for a CRIU run with CUDA processes, a broker in the run's private
     directory, named in CRIU's environment, gone after the run, its answers counted; none without
-    CUDA processes or without SNAPGUARD_CUDA_BROKER_ON=1 (opt-in); and CRIU never inherits the variable."""
+    CUDA processes or with the config's `cuda_broker` false; and CRIU never inherits the variable."""
     from snapguard import criu
+    from snapguard.config import Config
     from snapguard.pipeline._sequence import _cuda_broker, _Steps
 
+    on, off = Config({"cuda_broker": True}, None), Config({"cuda_broker": False}, None)
     monkeypatch.setenv(BROKER_ENV, "/somewhere/else.sock")
-    monkeypatch.setenv("SNAPGUARD_CUDA_BROKER_ON", "1")
     steps = _Steps()
     with criu.RunDir(short_dir, "/bin/true", None) as run_dir:
         st = os.lstat(run_dir.path)
         assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700  # the socket's only guard
         opts = criu.CriuOptions(images_dir=short_dir, work_dir=short_dir, libdir=short_dir, timeout_s=5)
         assert BROKER_ENV not in run_dir.environment(opts)
-        with _cuda_broker(run_dir, True, steps) as env:
+        with _cuda_broker(run_dir, True, on, steps) as env:
             path = env[BROKER_ENV]
             assert os.path.dirname(path) == run_dir.path and os.stat(path).st_mode & 0o777 == 0o600
             assert tool(["-h"], env)[0] == 0 and tool(["--get-state", "--pid", "1"], env)[0] == 1
         assert not os.path.exists(path)
-        with _cuda_broker(run_dir, False, steps) as env:
+        with _cuda_broker(run_dir, False, on, steps) as env:
             assert env == {}
         assert steps.counts == {"cuda_broker_answers": 2}
         failed = _Steps()
-        with pytest.raises(RuntimeError), _cuda_broker(run_dir, True, failed) as env:
+        with pytest.raises(RuntimeError), _cuda_broker(run_dir, True, on, failed) as env:
             raise RuntimeError("CRIU's run failed")  # the broker still closes, its answers still counted
         assert not os.path.exists(env[BROKER_ENV]) and failed.counts == {"cuda_broker_answers": 0}
-        monkeypatch.delenv("SNAPGUARD_CUDA_BROKER_ON")
-        with _cuda_broker(run_dir, True, steps) as env:
+        with _cuda_broker(run_dir, True, off, steps) as env:
             assert env == {}
     assert steps.counts == {"cuda_broker_answers": 2}
+
+
+def test_no_child_but_the_crius_it_serves_is_told_of_a_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker named in the executor's own environment (inherited, planted) reaches no child that
+    snapguard starts with its environment: children.run and run_captured drop it; an environment
+    the caller builds (CRIU's, with the broker of its run) is passed as given."""
+    from snapguard import children
+    from snapguard.reasons import Reason
+
+    monkeypatch.setenv(BROKER_ENV, "/somewhere/else.sock")
+    monkeypatch.setenv("SNAPGUARD_SOME_SETTING", "kept")
+    show = [sys.executable, "-c", f"import os; print(os.environ.get({BROKER_ENV!r}), os.environ.get('SNAPGUARD_SOME_SETTING'))"]
+    got = children.run_captured(show, timeout_s=30, what="env", reason=Reason.INTERNAL_ERROR)
+    assert got.stdout.split() == ["None", "kept"], got
+    probed = children.probe(show, 30)
+    assert not isinstance(probed, str) and probed.stdout.split() == ["None", "kept"]
+    given = children.run_captured(show, timeout_s=30, what="env", reason=Reason.INTERNAL_ERROR,
+                                  env={BROKER_ENV: "/run/x/cuda.sock", "PATH": "/usr/bin:/bin"})
+    assert given.stdout.split() == ["/run/x/cuda.sock", "None"], given
 
 
 class _RefusingDriver:
