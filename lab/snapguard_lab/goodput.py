@@ -505,6 +505,17 @@ def pace_while_arms_down(rows: list[tuple[int, str, float]], start: float, end: 
             "steps_per_s_no_arm_down": round((len(times) - in_down) / up_s, 3) if up_s > 0 else None}
 
 
+def steps_at_shared_pace(ref_steps: int, pace: dict[str, float | None] | None) -> int | None:
+    """The uninterrupted run's steps had it kept its pace of the times no arm stood still all
+    through the window: what it steps beyond that while arms are down is the GPU they left it, an
+    effect of sharing one GPU, not of the arms' recoveries. None when the pace is not known
+    (a sequential drill, no arm down) or it did not step faster while arms were down."""
+    if not pace or pace.get("steps_per_s_any_arm_down") is None or not pace.get("steps_per_s_no_arm_down"):
+        return None
+    extra = pace["seconds_any_arm_down"] * (pace["steps_per_s_any_arm_down"] - pace["steps_per_s_no_arm_down"])
+    return ref_steps - round(extra) if extra > 0 else None
+
+
 def credit_steps(credit_s: float, step_time_s: float | None) -> int:
     """`credit_s` of parity as steps at the arm's median pace in the window (not run on after the
     window, when the other arms sharing the GPU have stopped and it would step faster)."""
@@ -1002,6 +1013,11 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
     pace = pace_while_arms_down(ref_rows, ref["first_step_time"], ref["first_step_time"] + scaled.window_s,
                                 [iv for a in arms_out.values() if not a.get("failed") for iv in down_intervals(a)]) \
         if concurrent else None
+    shared = steps_at_shared_pace(ref_steps, pace)
+    for a in arms_out.values():
+        if shared and "goodput" in a:
+            a["goodput_at_shared_pace"] = (a["steps_at_window_end"] + a["parity_credit_steps"]) / shared
+            a["difference_points_at_shared_pace"] = 100.0 * (a["goodput_at_shared_pace"] - a["predicted_goodput"])
     out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent, "context_parity": parity,
            "shape_reference_s": asdict(shape), "shape_s": asdict(scaled), "trainer_args": list(trainer_args),
            "schedule": [e.to_dict() for e in schedule],
@@ -1012,6 +1028,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
                                                                   if e.kind == "notice"]}},
            "reference": {"steps_in_window": ref_steps, "rows": len(ref_rows),
                          "context_parity": ref.get("context_parity", []), "pace": pace,
+                         "steps_at_shared_pace": shared,
                          "step_time_s": _median([b[2] - a[2] for a, b in zip(ref_rows, ref_rows[1:])])},
            "arms": arms_out}
     print(_table(out), flush=True)
@@ -1019,6 +1036,11 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         print(f"goodput drill: the uninterrupted run stepped {pace['steps_per_s_any_arm_down']:.2f}/s while an arm "
               f"stood still ({pace['seconds_any_arm_down']:.0f} s), {pace['steps_per_s_no_arm_down']:.2f}/s "
               "otherwise", flush=True)
+    if shared:
+        print(f"goodput drill: at the second pace all through it would have made {shared} steps; goodput against "
+              "that (planner's difference): " + ", ".join(
+                  f"{k} {a['goodput_at_shared_pace']:.3f} ({a['difference_points_at_shared_pace']:+.1f})"
+                  for k, a in arms_out.items() if "goodput_at_shared_pace" in a), flush=True)
     print(f"goodput drill: uninterrupted run {ref_steps} steps in {scaled.window_s:.1f} s; "
           + ("PASS" if ok else "FAIL"), flush=True)
     if json_path:

@@ -66,7 +66,8 @@ def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert report["reference"]["steps_in_window"] > 20
     # its pace beside arms standing still is measured only when they share its time (--concurrent;
     # tests/unit/test_goodput_credit.py has the arithmetic)
-    assert report["reference"]["pace"] is None
+    assert report["reference"]["pace"] is None and report["reference"]["steps_at_shared_pace"] is None
+    assert not any("goodput_at_shared_pace" in a for a in report["arms"].values())
     arms = report["arms"]
     assert set(arms) == {"A", "B", "C", "D"}
     # C's cadence is the planner's (set from the calibrated costs), D writes none, A and B every 3 s

@@ -62,3 +62,15 @@ def test_pace_while_arms_down() -> None:
     assert pace["steps_per_s_any_arm_down"] == pytest.approx(4.0)
     assert pace["steps_per_s_no_arm_down"] == pytest.approx(2.0)
     assert pace_while_arms_down(rows, 0.0, 60.0, [])["steps_per_s_any_arm_down"] is None
+
+
+def test_steps_at_shared_pace() -> None:
+    """The H200 run of seed 7: 53.61 s with an arm down at 13.151 steps/s, 8.869 otherwise; 5552
+    steps in the window, 230 of them the GPU the arms left it."""
+    from snapguard_lab.goodput import steps_at_shared_pace
+
+    pace = {"seconds_any_arm_down": 53.61, "steps_per_s_any_arm_down": 13.151, "steps_per_s_no_arm_down": 8.869}
+    assert steps_at_shared_pace(5552, pace) == 5552 - 230
+    assert steps_at_shared_pace(5552, None) is None  # sequential: no pace
+    assert steps_at_shared_pace(5552, {**pace, "steps_per_s_any_arm_down": None}) is None  # no arm down
+    assert steps_at_shared_pace(5552, {**pace, "steps_per_s_any_arm_down": 8.0}) is None  # not faster
