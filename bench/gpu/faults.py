@@ -118,7 +118,7 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
     row: dict[str, Any] = {"row": name}
     try:
         result = run()
-        row.update(outcome="ok", result={k: result.get(k) for k in ("pid", "image_bytes", "timings")})
+        row.update(outcome="ok", result={k: result.get(k) for k in ("pid", "image_bytes", "timings", "counts")})
     except SnapguardError as e:
         f = e.failure
         row.update(outcome="refused", reason=f.reason.name, detail=f.detail, workload_intact=f.workload_intact,
@@ -134,6 +134,7 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
 
 def main() -> int:
     out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)  # written last, after minutes of rows: make sure it can be
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     base = Path(tempfile.mkdtemp(prefix="faults-", dir="/tmp"))  # 0700, fresh on a machine kept warm
     config = load()
