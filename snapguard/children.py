@@ -5,8 +5,9 @@ passes the whole group is killed (runc's CRIU and CRIU's helpers with it) and th
 typed reason, so the executor, and containerd's task with it, never hangs.
 
 A child given no environment gets the executor's, less the entry that names a cuda-checkpoint
-broker (snapguard.wire.BROKER_ENV): only the CRIU run a broker serves is told of it, by the
-environment its caller builds, so no other child (a `cuda-checkpoint -h` probe, runc, ctr) asks it.
+broker (snapguard.wire.BROKER_ENV): the CRIU run a broker serves is told of it by the environment
+its caller builds; a child started here with snapguard's own (a `cuda-checkpoint -h` probe, ctr)
+never inherits one.
 """
 
 from __future__ import annotations

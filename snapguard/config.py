@@ -193,7 +193,19 @@ def _trusted_state_dir(path: str) -> str:
         raise _untrusted(e, "`state_dir`") from None
 
 
-def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
+def _check_switches(values: dict[str, object], env: Mapping[str, str]) -> None:
+    """The on/off settings, from the file (TOML booleans) or the environment (a word each way)."""
+    var = ENV_OVERRIDES["cuda_broker"]
+    if env.get(var):
+        word = env[var].strip().lower()
+        if word not in _SWITCH_WORDS:
+            raise ConfigError(f"{var} must be one of {', '.join(_SWITCH_WORDS)}, got {env[var]!r}")
+        values["cuda_broker"] = _SWITCH_WORDS[word]
+    if not isinstance(values["cuda_broker"], bool):
+        raise ConfigError(f"`cuda_broker` must be true or false, got {values['cuda_broker']!r}")
+
+
+def _load(env: Mapping[str, str], check: tuple[str, ...], switches: bool = False) -> Config:
     path = env.get("SNAPGUARD_CONFIG") or DEFAULT_CONFIG_PATH
     values: dict[str, object] = dict(DEFAULTS)
     source = None
@@ -212,11 +224,6 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
     for key, var in ENV_OVERRIDES.items():
         if env.get(var):
             values[key] = env[var]
-    if env.get(ENV_OVERRIDES["cuda_broker"]):
-        word = env[ENV_OVERRIDES["cuda_broker"]].strip().lower()
-        if word not in _SWITCH_WORDS:
-            raise ConfigError(f"{ENV_OVERRIDES['cuda_broker']} must be 1 or 0, got {env[ENV_OVERRIDES['cuda_broker']]!r}")
-        values["cuda_broker"] = _SWITCH_WORDS[word]
     for key in _PATH_KEYS:
         value = values[key]
         if not isinstance(value, str) or not os.path.isabs(value):
@@ -225,8 +232,8 @@ def _load(env: Mapping[str, str], check: tuple[str, ...]) -> Config:
         value = values[key]
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
             raise ConfigError(f"`{key}` must be an integer from 1 to {high}, got {value!r}")
-    if not isinstance(values["cuda_broker"], bool):
-        raise ConfigError(f"`cuda_broker` must be true or false, got {values['cuda_broker']!r}")
+    if switches:
+        _check_switches(values, env)
     for key in check:
         value = str(values[key])
         if key == "criu_libdir":
@@ -249,7 +256,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     with reason UNTRUSTED_PATH. No exception but ConfigError comes out of here.
     """
     env = os.environ if environ is None else environ
-    config = _load(env, _PATH_KEYS)
+    config = _load(env, _PATH_KEYS, switches=True)
     if config.source is not None and config.source_stat is not None and not env.get("SNAPGUARD_RUNC"):
         sync_launcher_pin(config.source, config.source_stat, config.runc)
     return config

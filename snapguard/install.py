@@ -92,6 +92,7 @@ CONFIG_COMMENTS = {
     "take_wait_s": "how long a snapshot waits for the workload's take point, seconds",
     "cuda_broker": "the executor answers CRIU's CUDA plugin itself while CRIU runs (shorter stall and restore)",
 }
+UNWRITTEN_DEFAULTS = ("cuda_broker",)
 MAX_FILE_BYTES = 1 << 20
 # snapguard-runc's C launcher: the pinned compiler, the installed name (beside the Python
 # snapguard-runc), its sources (c_helpers/), and how it is compiled.
@@ -889,8 +890,11 @@ def _plan_config(opts: Options, records: dict[str, Any], facts: dict[str, Any], 
                                   "so GPU containers keep their devices")
             values["runc"], sources["runc"] = nv, "containerd's default runtime (NVIDIA's)"
     facts["config"] = {k: {"value": values[k], "source": sources[k]} for k in DEFAULTS}
-    text = _render_config(values)
-    if before is not None and existing == values:
+    # a switch at its default is left out unless the site set it: a config from an older install
+    # stays as it was, and an older snapguard (which refuses keys it does not know) can still read it
+    written = {k: v for k, v in values.items() if k in existing or k not in UNWRITTEN_DEFAULTS}
+    text = _render_config(written)
+    if before is not None and existing == written:
         text = before  # the same settings: the file stays as it is, comments and all
     rec = records.get(path)
     if rec is None:

@@ -10,8 +10,9 @@ import struct
 __all__ = ["BROKER_ENV", "LineTooLong", "peer_uid", "recv_line"]
 
 # The environment entry that names the executor's broker socket: set by snapguard for the CRIU it
-# runs (so for CRIU's plugin and the tool it starts), never inherited by any other child of it
-# (snapguard.children, snapguard.criu.RunDir).
+# runs (so for CRIU's plugin and the tool it starts). A value in snapguard's own environment is
+# dropped for every child snapguard.children starts with that environment and from CRIU's
+# (snapguard.criu.RunDir); the tool asks only a listener of its own uid (root) in any case.
 BROKER_ENV = "SNAPGUARD_CUDA_BROKER"
 
 

@@ -46,9 +46,26 @@ def test_cuda_broker_is_on_unless_the_file_or_the_environment_says_off(tmp_path:
     f.write_text("cuda_broker = false\n")
     assert load({"SNAPGUARD_CONFIG": str(f)}).cuda_broker is False
     assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "1"}).cuda_broker is True
-    with pytest.raises(ConfigError, match="SNAPGUARD_CUDA_BROKER_ON must be 1 or 0") as e:
+    for word, on in (("off", False), (" Yes ", True), ("false", False), ("on", True)):
+        assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": word}).cuda_broker is on
+    with pytest.raises(ConfigError, match="SNAPGUARD_CUDA_BROKER_ON must be one of 1, true") as e:
         load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "maybe"})
     assert e.value.reason == "CONFIG_INVALID"
+
+
+def test_a_bad_switch_does_not_reach_the_pass_through(tmp_path: Path) -> None:
+    """Every runc call containerd makes reads the config for runc's path alone: a switch only the
+    guarded verbs use, set wrong, fails those (above), never the container's other verbs."""
+    exe = tmp_path / "runc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'runc = "{exe}"\ncuda_broker = "false"\n')
+    env = {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state"),
+           "SNAPGUARD_CUDA_BROKER_ON": "2"}
+    assert pinned_runc(env) == str(exe)
+    with pytest.raises(ConfigError, match="SNAPGUARD_CUDA_BROKER_ON must be one of"):
+        load(env)
 
 
 def test_named_config_must_exist(tmp_path: Path) -> None:
