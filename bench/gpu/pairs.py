@@ -1,7 +1,7 @@
-"""Summarise interleaved scaling.py runs of one arm with a switch on and off (the executor's
-cuda-checkpoint broker, say): a row per run, the medians each way, and how many pairs favour
-"on" for each cost. Reads DIR/NAME-on.json and DIR/NAME-off.json (scaling.py's JSON, one size,
-the snapguard arm); prints the table and writes DIR/summary.json.
+"""Summarise interleaved scaling.py runs of one arm with the executor's cuda-checkpoint broker on
+and off (each run's broker answers must agree with its name): a row per run, the medians each
+way, and how many pairs favour "on" for each cost. Reads DIR/NAME-on.json and DIR/NAME-off.json
+(scaling.py's JSON, one size, the snapguard arm); prints the table and writes DIR/summary.json.
 
     python3 bench/gpu/pairs.py bench/results/h200x2/broker-pairs-2026-11-30
 """
@@ -43,6 +43,10 @@ def main() -> int:
         if switch not in ("on", "off"):
             continue
         arm = json.loads(f.read_text())["sizes"][0]["arms"]["snapguard"]
+        answered = (arm["leave_running"].get("checkpoint_counts") or {}).get("cuda_broker_answers", 0)
+        if (switch == "on") != (answered > 0):  # the name must say what the run did
+            print(f"pairs.py: {f} is named {switch!r} but its broker answered {answered} runs", file=sys.stderr)
+            return 1
         runs.append({"run": name, "pair": name.rsplit("-", 1)[0], "switch": switch,
                      **{c: _dig(arm, p) for c, p in COSTS.items()}})
     if not runs:
