@@ -1,13 +1,16 @@
-"""Summarise interleaved scaling.py runs of one arm with the executor's cuda-checkpoint broker on
-and off (each run's broker answers must agree with its name): a row per run, the medians each
-way, and how many pairs favour "on" for each cost. Reads DIR/NAME-on.json and DIR/NAME-off.json
-(scaling.py's JSON, one size, the snapguard arm); prints the table and writes DIR/summary.json.
+"""Summarise interleaved scaling.py runs of one arm with a setting each of two ways: a row per
+run, the medians each way, and how many pairs favour the second way for each cost. Reads
+DIR/pairN-A.json and DIR/pairN-B.json (scaling.py's JSON, one size, the snapguard arm) for the
+labels A,B given (default off,on: the executor's cuda-checkpoint broker, whose answers in each
+run must then agree with its name); prints the table and writes DIR/summary.json.
 
     python3 bench/gpu/pairs.py bench/results/h200x2/broker-pairs-2026-11-30
+    python3 bench/gpu/pairs.py bench/results/h200/criu-loglevel-2026-11-30 --labels v4,v3
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -32,41 +35,47 @@ def _dig(record: dict, path: tuple[str, ...]) -> float:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    d = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", help="the runs' directory")
+    ap.add_argument("--labels", default="off,on", help="the two ways, as the runs' names end (default off,on)")
+    args = ap.parse_args()
+    d = Path(args.dir)
+    labels = tuple(args.labels.split(","))
+    if len(labels) != 2 or labels[0] == labels[1]:
+        ap.error("--labels takes two different names, A,B")
+    first, second = labels
     runs = []
-    for f in sorted(d.glob("*-o[nf]*.json")):
+    for f in sorted(d.glob("*.json")):
         name = f.name[:-len(".json")]
-        switch = name.rsplit("-", 1)[1]
-        if switch not in ("on", "off"):
+        way = name.rsplit("-", 1)[-1]
+        if way not in labels:
             continue
         arm = json.loads(f.read_text())["sizes"][0]["arms"]["snapguard"]
-        answered = (arm["leave_running"].get("checkpoint_counts") or {}).get("cuda_broker_answers", 0)
-        if (switch == "on") != (answered > 0):  # the name must say what the run did
-            print(f"pairs.py: {f} is named {switch!r} but its broker answered {answered} runs", file=sys.stderr)
-            return 1
-        runs.append({"run": name, "pair": name.rsplit("-", 1)[0], "switch": switch,
+        if labels == ("off", "on"):
+            answered = (arm["leave_running"].get("checkpoint_counts") or {}).get("cuda_broker_answers", 0)
+            if (way == "on") != (answered > 0):  # the name must say what the run did
+                print(f"pairs.py: {f} is named {way!r} but its broker answered {answered} runs", file=sys.stderr)
+                return 1
+        runs.append({"run": name, "pair": name.rsplit("-", 1)[0], "switch": way,
                      **{c: _dig(arm, p) for c, p in COSTS.items()}})
-    if not runs:
-        print(f"pairs.py: no NAME-on.json / NAME-off.json in {d}", file=sys.stderr)
+    if not {r["switch"] for r in runs} == set(labels):
+        print(f"pairs.py: no runs of both ways (NAME-{first}.json, NAME-{second}.json) in {d}", file=sys.stderr)
         return 1
     print(f"{'run':<12}" + "".join(f"{c:>14}" for c in COSTS))
     for r in runs:
         print(f"{r['run']:<12}" + "".join(f"{r[c]:>14.2f}" for c in COSTS))
-    medians = {s: {c: statistics.median(r[c] for r in runs if r["switch"] == s) for c in COSTS} for s in ("off", "on")}
-    for s in ("off", "on"):
+    medians = {s: {c: statistics.median(r[c] for r in runs if r["switch"] == s) for c in COSTS} for s in labels}
+    for s in labels:
         n = sum(1 for r in runs if r["switch"] == s)
         print(f"{'median ' + s:<12}" + "".join(f"{medians[s][c]:>14.2f}" for c in COSTS) + f"   ({n} runs)")
     by_pair: dict[str, dict[str, dict]] = {}
     for r in runs:
         by_pair.setdefault(r["pair"], {})[r["switch"]] = r
     pairs = [p for p in by_pair.values() if len(p) == 2]
-    favour = {c: sum(1 for p in pairs if p["on"][c] < p["off"][c]) for c in COSTS}
-    print(f"{'on lower':<12}" + "".join(f"{f'{favour[c]}/{len(pairs)}':>14}" for c in COSTS))
+    favour = {c: sum(1 for p in pairs if p[second][c] < p[first][c]) for c in COSTS}
+    print(f"{second + ' lower':<12}" + "".join(f"{f'{favour[c]}/{len(pairs)}':>14}" for c in COSTS))
     (d / "summary.json").write_text(json.dumps({"runs": runs, "medians": medians, "pairs": len(pairs),
-                                                "pairs_on_lower": favour}, indent=2) + "\n")
+                                                f"pairs_{second}_lower": favour}, indent=2) + "\n")
     return 0
 
 

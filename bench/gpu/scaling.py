@@ -11,7 +11,7 @@ AdamW, deterministic) at about 85 M, 350 M and 1.2 B parameters; per size, side 
              trainer and a restore after `sync; echo 3 > /proc/sys/vm/drop_caches` (cold).
   raw        the stack under it, no snapguard: `criu dump/restore` run directly with CRIU's CUDA
              plugin (the config's criu and criu_libdir, the config's cuda-checkpoint first on PATH)
-             and the flags snapguard gives CRIU (--shell-job, --network-lock skip, -v4, --timeout;
+             and the flags snapguard gives CRIU (--shell-job, --network-lock skip, its -v level, --timeout;
              --leave-running; restore --restore-detached --pidfile), without snapguard's own steps
              (no take point, so untrimmed; no in-process CUDA lock; no preflight, digests or
              manifest). The same four measurements.
@@ -401,7 +401,8 @@ class Bench:
         return time.monotonic() - t
 
     def _common(self, images: Path, log: str) -> list[str]:
-        return ["--images-dir", str(images), "--work-dir", str(images), "--log-file", log, "-v4",
+        return ["--images-dir", str(images), "--work-dir", str(images), "--log-file", log,
+                f"-v{sg_criu.CriuOptions.log_level}",
                 "--libdir", self.config.criu_libdir, "--timeout", str(int(self.config.criu_timeout_s)),
                 "--network-lock", "skip", "--shell-job"]
 

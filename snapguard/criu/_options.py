@@ -36,7 +36,11 @@ class CriuOptions:
     tcp_established: bool = False
     network_lock: str | None = None  # None: CRIU's default (iptables); "skip": nothing to lock
     log_file: str = "dump.log"
-    log_level: int = 4
+    # 3: errors, warnings and CRIU's info lines (every mark criu.log_marks reads, and the CUDA
+    # plugin's steps). At 4 CRIU writes about 76,000 debug lines for an 85 M trainer's dump, each
+    # with a write() of its own inside the page dump: -v3 took CRIU's dump from 2.27 to 1.74 s
+    # (medians, bench/results/h200/criu-loglevel-2026-11-30). runc's own runs keep its level 4.
+    log_level: int = 3
 
     def dump_argv(self, criu: str, pid: int) -> list[str]:
         """`criu dump` of a bare process tree."""
