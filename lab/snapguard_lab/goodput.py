@@ -516,6 +516,17 @@ def steps_at_shared_pace(ref_steps: int, pace: dict[str, float | None] | None) -
     return ref_steps - round(extra) if extra > 0 else None
 
 
+def at_shared_pace(arms: dict[str, dict[str, Any]], ref_steps: int, pace: dict[str, float | None] | None) -> int | None:
+    """steps_at_shared_pace, and each measured arm's goodput against it and the planner's
+    difference from that (`goodput_at_shared_pace`, `difference_points_at_shared_pace`)."""
+    shared = steps_at_shared_pace(ref_steps, pace)
+    for a in arms.values():
+        if shared and "goodput" in a:
+            a["goodput_at_shared_pace"] = (a["steps_at_window_end"] + a["parity_credit_steps"]) / shared
+            a["difference_points_at_shared_pace"] = 100.0 * (a["goodput_at_shared_pace"] - a["predicted_goodput"])
+    return shared
+
+
 def credit_steps(credit_s: float, step_time_s: float | None) -> int:
     """`credit_s` of parity as steps at the arm's median pace in the window (not run on after the
     window, when the other arms sharing the GPU have stopped and it would step faster)."""
@@ -1013,11 +1024,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
     pace = pace_while_arms_down(ref_rows, ref["first_step_time"], ref["first_step_time"] + scaled.window_s,
                                 [iv for a in arms_out.values() if not a.get("failed") for iv in down_intervals(a)]) \
         if concurrent else None
-    shared = steps_at_shared_pace(ref_steps, pace)
-    for a in arms_out.values():
-        if shared and "goodput" in a:
-            a["goodput_at_shared_pace"] = (a["steps_at_window_end"] + a["parity_credit_steps"]) / shared
-            a["difference_points_at_shared_pace"] = 100.0 * (a["goodput_at_shared_pace"] - a["predicted_goodput"])
+    shared = at_shared_pace(arms_out, ref_steps, pace)
     out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent, "context_parity": parity,
            "shape_reference_s": asdict(shape), "shape_s": asdict(scaled), "trainer_args": list(trainer_args),
            "schedule": [e.to_dict() for e in schedule],

@@ -74,3 +74,23 @@ def test_steps_at_shared_pace() -> None:
     assert steps_at_shared_pace(5552, None) is None  # sequential: no pace
     assert steps_at_shared_pace(5552, {**pace, "steps_per_s_any_arm_down": None}) is None  # no arm down
     assert steps_at_shared_pace(5552, {**pace, "steps_per_s_any_arm_down": 8.0}) is None  # not faster
+
+
+def test_the_h200_runs_at_shared_pace() -> None:
+    """The two H200 drills of run 7 (their JSON predates these fields): what the README quotes."""
+    import json
+    from pathlib import Path
+
+    from snapguard_lab.goodput import at_shared_pace
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200x2"
+    for name, steps, want in (("goodput-credit-s7-2026-11-30.json", 5322,
+                               {"A": (0.854, 1.4), "B": (0.961, 1.6), "C": (0.955, 1.0), "D": (0.980, 1.4)}),
+                              ("goodput-kill-s28-2026-11-30.json", 5360,
+                               {"A": (0.739, -3.5), "B": (0.835, -4.5), "C": (0.855, -2.3), "D": (0.596, 14.1)})):
+        report = json.loads((results / name).read_text())
+        arms = report["arms"]
+        assert at_shared_pace(arms, report["reference"]["steps_in_window"], report["reference"]["pace"]) == steps
+        got = {k: (round(a["goodput_at_shared_pace"], 3), round(a["difference_points_at_shared_pace"], 1))
+               for k, a in arms.items()}
+        assert got == want
