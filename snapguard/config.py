@@ -52,6 +52,10 @@ ENV_OVERRIDES = {
     "criu_libdir": "SNAPGUARD_CRIU_LIBDIR",
     "cuda_checkpoint": "SNAPGUARD_CUDA_CHECKPOINT",
     "state_dir": "SNAPGUARD_STATE_DIR",
+}
+# On/off settings and their environment overrides, read by load() alone (checkpoint and restore):
+# the pass-through path needs none of them, so a bad value there must not fail every runc call.
+SWITCH_OVERRIDES = {
     "cuda_broker": "SNAPGUARD_CUDA_BROKER_ON",
 }
 
@@ -195,14 +199,14 @@ def _trusted_state_dir(path: str) -> str:
 
 def _check_switches(values: dict[str, object], env: Mapping[str, str]) -> None:
     """The on/off settings, from the file (TOML booleans) or the environment (a word each way)."""
-    var = ENV_OVERRIDES["cuda_broker"]
-    if env.get(var):
-        word = env[var].strip().lower()
-        if word not in _SWITCH_WORDS:
-            raise ConfigError(f"{var} must be one of {', '.join(_SWITCH_WORDS)}, got {env[var]!r}")
-        values["cuda_broker"] = _SWITCH_WORDS[word]
-    if not isinstance(values["cuda_broker"], bool):
-        raise ConfigError(f"`cuda_broker` must be true or false, got {values['cuda_broker']!r}")
+    for key, var in SWITCH_OVERRIDES.items():
+        if env.get(var):
+            word = env[var].strip().lower()
+            if word not in _SWITCH_WORDS:
+                raise ConfigError(f"{var} must be one of {', '.join(_SWITCH_WORDS)}, got {env[var]!r}")
+            values[key] = _SWITCH_WORDS[word]
+        if not isinstance(values[key], bool):
+            raise ConfigError(f"`{key}` must be true or false, got {values[key]!r}")
 
 
 def _load(env: Mapping[str, str], check: tuple[str, ...], switches: bool = False) -> Config:

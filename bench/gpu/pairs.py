@@ -58,7 +58,7 @@ def main() -> int:
                 return 1
         runs.append({"run": name, "pair": name.rsplit("-", 1)[0], "switch": way,
                      **{c: _dig(arm, p) for c, p in COSTS.items()}})
-    if not {r["switch"] for r in runs} == set(labels):
+    if {r["switch"] for r in runs} != set(labels):
         print(f"pairs.py: no runs of both ways (NAME-{first}.json, NAME-{second}.json) in {d}", file=sys.stderr)
         return 1
     print(f"{'run':<12}" + "".join(f"{c:>14}" for c in COSTS))

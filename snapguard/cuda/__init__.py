@@ -5,7 +5,7 @@ failed snapshot), `libcuda_checkpoint_symbols` (read from the ELF without loadin
 executor answering CRIU's plugin's cuda-checkpoint runs while CRIU runs; `BROKER_ENV` names it).
 """
 
-from ._broker import ENV as BROKER_ENV
+from ..wire import BROKER_ENV as BROKER_ENV
 from ._broker import Broker
 from ._driver import CHECKPOINT_SYMBOLS, CudaError, Driver, load, uuid_bytes
 from ._recover import recover

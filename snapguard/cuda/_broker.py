@@ -22,13 +22,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..wire import BROKER_ENV, LineTooLong, peer_uid, recv_line
+from ..wire import LineTooLong, peer_uid, recv_line
 from ._driver import Driver, load
 from .cli import answer
 
-__all__ = ["ENV", "Broker"]
+__all__ = ["Broker"]
 
-ENV = BROKER_ENV
 REQUEST_MAX = 8192
 _ARGS_MAX, _ARG_MAX, _MAP_MAX = 16, 256, 4096
 
