@@ -6,6 +6,8 @@ import os
 import stat
 import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,32 @@ def _by_pid(matches: list[scan.Match] | set[scan.Match]) -> dict[int, list[scan.
     return out
 
 
+@pytest.fixture
+def sleepers() -> Iterator[set[int]]:
+    """Four processes that hold still through a test, whatever else the node runs (a CI container
+    may run only the test's own): each maps libc under /usr/lib and holds /dev/null and a pipe."""
+    read_end, write_end = os.pipe()
+    procs = [subprocess.Popen(["/bin/sleep", "120"], stdin=subprocess.DEVNULL, pass_fds=(read_end, write_end))
+             for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 10
+        # Sleeping (S) means the loader has mapped everything and nanosleep has begun.
+        while not all(_state(p.pid) == "S" for p in procs):
+            assert time.monotonic() < deadline, "sleepers did not settle"
+            time.sleep(0.01)
+        yield {p.pid for p in procs}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _quiet_pids(*scans: list[scan.Match]) -> set[int]:
     """The pids every scan saw alike, less this process: a process that started, exec'd or mapped
     something between two scans of the node (any tool's on a shared machine) cannot be compared,
@@ -59,7 +87,7 @@ def _quiet_pids(*scans: list[scan.Match]) -> set[int]:
     return {pid for pid in pids if all(p[pid] == per[0][pid] for p in per[1:])}
 
 
-def test_c_and_python_agree_on_whole_node() -> None:
+def test_c_and_python_agree_on_whole_node(sleepers: set[int]) -> None:
     prefixes = ("/dev/", "anon_inode:", "socket:", "pipe:", "/usr/lib", "/tmp")
     pids = scan.all_pids()
     # C before and after Python: the processes the two C scans saw alike held still meanwhile
@@ -67,7 +95,8 @@ def test_c_and_python_agree_on_whole_node() -> None:
     py = scan.scan(pids, prefixes, (1, 5, 136), impl="python")
     after = scan.scan(pids, prefixes, (1, 5, 136), impl="c")
     quiet = _quiet_pids(before, after)
-    assert len(before) > 20 and len(quiet) > 3
+    assert len(before) > 20 and sleepers <= quiet
+    assert all(any(m.pid == pid and m.path == "/dev/null" for m in py) for pid in sleepers)
     assert {m for m in before if m.pid in quiet} == {m for m in py if m.pid in quiet}
 
 
@@ -96,7 +125,7 @@ def test_vanishing_processes_are_skipped() -> None:
     assert len(spawned) > 40
 
 
-def test_small_buffer_grows(planted_device: Path) -> None:
+def test_small_buffer_grows(sleepers: set[int]) -> None:
     """Every mapping and fd of the node (> 1 MiB of output on most nodes) comes back whole: the
     C helper's output buffer grows, and it agrees with the Python scanner on every quiet process."""
     pids = scan.all_pids()
@@ -104,7 +133,7 @@ def test_small_buffer_grows(planted_device: Path) -> None:
     py = scan.scan(pids, ("/",), (), impl="python")
     after = scan.scan_c(pids, ("/",), ())
     quiet = _quiet_pids(before, after)
-    assert len(quiet) > 3
+    assert sleepers <= quiet
     assert sorted(m for m in before if m.pid in quiet) == sorted(m for m in py if m.pid in quiet)
 
 
@@ -123,13 +152,13 @@ def test_fixture_proc_root(tmp_path: Path) -> None:
         assert {(m.kind, m.path) for m in got} == expect, impl
 
 
-def test_thread_count_does_not_change_results() -> None:
+def test_thread_count_does_not_change_results(sleepers: set[int]) -> None:
     pids = scan.all_pids()
     prefixes = ("/dev/", "anon_inode:", "socket:", "/usr/lib")
     one = scan.scan_c(pids, prefixes, (1, 136), threads=1)
     assert len(one) > 20
     runs = {threads: scan.scan_c(pids, prefixes, (1, 136), threads=threads) for threads in (2, 3, 7, len(pids) + 5)}
     quiet = _quiet_pids(one, scan.scan_c(pids, prefixes, (1, 136), threads=1))
-    assert len(quiet) > 3
+    assert sleepers <= quiet
     for threads, many in runs.items():
         assert [m for m in many if m.pid in quiet] == [m for m in one if m.pid in quiet], threads
