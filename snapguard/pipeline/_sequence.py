@@ -57,6 +57,17 @@ class _Steps:
         finally:
             self.timings[f"{name}_s"] = self.timings.get(f"{name}_s", 0.0) + time.monotonic() - t
 
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """A part of a step, timed on its own: `criu_s`, the runner's CRIU (or runc) run within
+        `dump_s` or `restore_s`, whose rest is the run directory and the broker; CRIU's own log
+        marks then split `criu_s` into CRIU's work and its start and exit."""
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[f"{name}_s"] = self.timings.get(f"{name}_s", 0.0) + time.monotonic() - t
+
     def done(self) -> dict[str, float]:
         return {**self.timings, "total_s": time.monotonic() - self.t0}
 
@@ -168,7 +179,8 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             with steps.step("dump", Reason.CRIU_DUMP_FAILED), \
                     criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
                     _cuda_broker(run_dir, bool(cuda_pids), config, steps) as broker_env:
-                rc = runner.dump(req, options, {**run_dir.environment(options), **broker_env})
+                with steps.timed("criu"):
+                    rc = runner.dump(req, options, {**run_dir.environment(options), **broker_env})
         except SnapguardError as e:  # a deadline passed, or runc or CRIU did not start
             failure = e
             runner.after_failed_dump()
@@ -363,7 +375,8 @@ def _cuda_broker(run_dir: criu.RunDir, gpu: bool, config: Config, steps: _Steps)
     from .. import cuda
 
     try:
-        broker = cuda.Broker(os.path.join(run_dir.path, "cuda.sock"))
+        with steps.timed("cuda_broker_start"):
+            broker = cuda.Broker(os.path.join(run_dir.path, "cuda.sock"))
     except OSError:  # a state directory too deep for a socket's name, say
         steps.counts["cuda_broker_unavailable"] = 1
         yield {}
@@ -440,7 +453,8 @@ def restore(runner: Runner, req: Request, config: Config, *,
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
                     criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
                     _cuda_broker(run_dir, bool(manifest.get("gpu")), config, steps) as broker_env:
-                rc = runner.restore(req, options, {**run_dir.environment(options, device_map), **broker_env})
+                with steps.timed("criu"):
+                    rc = runner.restore(req, options, {**run_dir.environment(options, device_map), **broker_env})
         finally:
             with steps.step("verify_wait", Reason.IMAGE_CORRUPT, image=req.image_dir):
                 corrupt = digests.result()

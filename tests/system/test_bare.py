@@ -138,6 +138,8 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         images = tmp_path / name
         out = t.checkpoint(images, images)
         assert out.returncode == 0, out.stderr
+        timings = json.loads(out.stdout)["timings"]
+        assert 0 < timings["criu_s"] <= timings["dump_s"], timings
         return images
 
     with BareTarget(tmp_path / "held", script=HELD_TRAINER, hook=True) as t:
@@ -170,7 +172,8 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         images = snapshot(c, "counter-img")
         out = c.restore(images, images)
         assert out.returncode == 0, out.stderr
-        assert "verify_s" in json.loads(out.stdout)["timings"]
+        timings = json.loads(out.stdout)["timings"]
+        assert "verify_s" in timings and 0 < timings["criu_s"] <= timings["restore_s"], timings
 
 
 def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: Path,
