@@ -88,12 +88,13 @@ def snapguard_path() -> str:
 
 
 def write_config(path: Path, **keys: Any) -> Path:
-    """snapguard's TOML config at `path` (0600), root's: strings quoted, numbers as they are."""
+    """snapguard's TOML config at `path` (0600), root's: strings quoted, booleans true/false,
+    numbers as they are."""
     lines = []
     for key, value in keys.items():
         if value is None:
             continue
-        lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else value}")
+        lines.append(f"{key} = {json.dumps(value) if isinstance(value, (str, bool)) else value}")
     path.write_text("".join(f"{line}\n" for line in lines))
     os.chmod(path, 0o600)
     return path
