@@ -44,6 +44,9 @@ DEFAULTS = {
     # the executor answers CRIU's CUDA plugin's cuda-checkpoint runs itself while CRIU runs
     # (snapguard.cuda.Broker): a shorter stall and restore on the H200; false runs the tool each time
     "cuda_broker": True,
+    # the page files are hashed while CRIU writes them (snapguard.image.SpanHasher): the seal after
+    # the dump hashes only the rest
+    "hash_while_dumping": True,
 }
 
 ENV_OVERRIDES = {
@@ -57,6 +60,7 @@ ENV_OVERRIDES = {
 # the pass-through path needs none of them, so a bad value there must not fail every runc call.
 SWITCH_OVERRIDES = {
     "cuda_broker": "SNAPGUARD_CUDA_BROKER_ON",
+    "hash_while_dumping": "SNAPGUARD_HASH_WHILE_DUMPING_ON",
 }
 
 _SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
@@ -89,6 +93,7 @@ class Config:
     criu_timeout_s: int
     take_wait_s: int
     cuda_broker: bool
+    hash_while_dumping: bool
 
     def __init__(self, values: dict[str, object], source: str | None, source_stat: os.stat_result | None = None) -> None:
         self.source = source

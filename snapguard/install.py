@@ -91,8 +91,9 @@ CONFIG_COMMENTS = {
     "criu_timeout_s": "CRIU's own timeout, seconds",
     "take_wait_s": "how long a snapshot waits for the workload's take point, seconds",
     "cuda_broker": "the executor answers CRIU's CUDA plugin itself while CRIU runs (shorter stall and restore)",
+    "hash_while_dumping": "the image's page files are hashed while CRIU writes them (a shorter seal)",
 }
-UNWRITTEN_DEFAULTS = ("cuda_broker",)
+UNWRITTEN_DEFAULTS = ("cuda_broker", "hash_while_dumping")
 MAX_FILE_BYTES = 1 << 20
 # snapguard-runc's C launcher: the pinned compiler, the installed name (beside the Python
 # snapguard-runc), its sources (c_helpers/), and how it is compiled.

@@ -138,8 +138,9 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         images = tmp_path / name
         out = t.checkpoint(images, images)
         assert out.returncode == 0, out.stderr
-        timings = json.loads(out.stdout)["timings"]
-        assert 0 < timings["criu_s"] <= timings["dump_s"], timings
+        result = json.loads(out.stdout)
+        assert 0 < result["timings"]["criu_s"] <= result["timings"]["dump_s"], result
+        assert "spans_hashed_while_dumping" in result["counts"], result  # hash_while_dumping is on
         return images
 
     with BareTarget(tmp_path / "held", script=HELD_TRAINER, hook=True) as t:
@@ -194,6 +195,9 @@ def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: 
             images = tmp_path / f"img-{drop}"
             out = t.checkpoint(images, images, leave_running=True)
             assert out.returncode == 0, out.stderr
+            # left running, the page files are hashed only beside a CUDA resume, never during the
+            # dump (it would slow CRIU inside the stall); with no CUDA process, by the seal alone
+            assert "spans_hashed_while_dumping" not in json.loads(out.stdout).get("counts", {})
             (figures,) = image.verify(str(images))["take_point"].values()
             assert figures.get("grads_dropped_bytes") == expected, figures
             assert t.advancing(), "the trainer does not step after the release"

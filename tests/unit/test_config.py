@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc
+from snapguard.config import SWITCH_OVERRIDES, ConfigError, check_pinned_binary, load, pinned_runc
 
 
 def test_defaults_with_empty_file(tmp_path: Path) -> None:
@@ -27,8 +27,6 @@ def test_file_then_env_override(tmp_path: Path) -> None:
     ('runc = \n', "not valid TOML"),
     ('criu_timeout_s = "60"\n', "criu_timeout_s"),
     ('criu_timeout_s = true\n', "criu_timeout_s"),
-    ('cuda_broker = "0"\n', "`cuda_broker` must be true or false"),
-    ('cuda_broker = 1\n', "`cuda_broker` must be true or false"),
 ])
 def test_invalid_config(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "c.toml"
@@ -38,19 +36,25 @@ def test_invalid_config(tmp_path: Path, text: str, message: str) -> None:
     assert e.value.reason == "CONFIG_INVALID" and "\n" not in str(e.value)
 
 
-def test_cuda_broker_is_on_unless_the_file_or_the_environment_says_off(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", sorted(SWITCH_OVERRIDES))
+def test_a_switch_is_on_unless_the_file_or_the_environment_says_off(tmp_path: Path, key: str) -> None:
+    var = SWITCH_OVERRIDES[key]
     f = tmp_path / "c.toml"
     f.write_text("")
-    assert load({"SNAPGUARD_CONFIG": str(f)}).cuda_broker is True
-    assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "0"}).cuda_broker is False
-    f.write_text("cuda_broker = false\n")
-    assert load({"SNAPGUARD_CONFIG": str(f)}).cuda_broker is False
-    assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "1"}).cuda_broker is True
+    assert getattr(load({"SNAPGUARD_CONFIG": str(f)}), key) is True
+    assert getattr(load({"SNAPGUARD_CONFIG": str(f), var: "0"}), key) is False
+    f.write_text(f"{key} = false\n")
+    assert getattr(load({"SNAPGUARD_CONFIG": str(f)}), key) is False
+    assert getattr(load({"SNAPGUARD_CONFIG": str(f), var: "1"}), key) is True
     for word, on in (("off", False), (" Yes ", True), ("false", False), ("on", True)):
-        assert load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": word}).cuda_broker is on
-    with pytest.raises(ConfigError, match="SNAPGUARD_CUDA_BROKER_ON must be one of 1, true") as e:
-        load({"SNAPGUARD_CONFIG": str(f), "SNAPGUARD_CUDA_BROKER_ON": "maybe"})
+        assert getattr(load({"SNAPGUARD_CONFIG": str(f), var: word}), key) is on
+    with pytest.raises(ConfigError, match=f"{var} must be one of 1, true") as e:
+        load({"SNAPGUARD_CONFIG": str(f), var: "maybe"})
     assert e.value.reason == "CONFIG_INVALID"
+    for text in (f'{key} = "0"\n', f"{key} = 1\n"):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=f"`{key}` must be true or false"):
+            load({"SNAPGUARD_CONFIG": str(f)})
 
 
 def test_a_bad_switch_does_not_reach_the_pass_through(tmp_path: Path) -> None:

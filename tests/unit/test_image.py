@@ -484,3 +484,81 @@ def test_digests_verified_while_written_are_not_read_again_but_stay_bound_to_the
         image.verify(str(sealed), {"pages-1.img": (digest, (st.st_dev, st.st_ino + 1))})
     with pytest.raises(SnapguardError):  # a digest other than the manifest's: read again
         image.verify(str(sealed), {"pages-1.img": ("0" * 64, ident)})
+
+
+def _wait_for(what, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "not within 30 s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(image, "_SPAN", 4096)
+    return 4096
+
+
+def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, small_spans: int) -> None:
+    """A page file appended to while the hasher runs: the seal takes the whole spans it hashed
+    and hashes the rest, and the manifest is what a seal from scratch writes."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.SpanHasher(str(d), threads=2)
+    data = os.urandom(small_spans * 7 + 123)
+    with open(d / "pages-1.img", "wb") as f:
+        for i in range(0, len(data), 1000):  # as CRIU does: at the file's position, in pieces
+            f.write(data[i:i + 1000])
+            f.flush()
+    (d / "core-1.img").write_bytes(b"core")  # not a page file: the seal hashes it
+    _wait_for(lambda: hasher.done_spans() == 7)
+    known = hasher.finish()
+    assert set(known) == {"pages-1.img"} and sorted(known["pages-1.img"][1]) == list(range(7))
+    assert hasher.finish() == {} and hasher.error is None  # once
+    manifest = image.seal(str(d), _fields(), known)
+    assert image.verify(str(d))["files"] == manifest["files"]
+    assert image.seal(str(d), _fields())["files"] == manifest["files"]
+
+
+def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path, small_spans: int) -> None:
+    """What the hasher read is what the manifest vouches for: a span rewritten in place after it
+    (CRIU never does) is found by the restore's check, never passed."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.SpanHasher(str(d), threads=1)
+    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
+    _wait_for(lambda: hasher.done_spans() == 3)
+    with open(d / "pages-1.img", "r+b") as f:
+        f.seek(small_spans + 5)
+        f.write(b"\0" * 8)
+    image.seal(str(d), _fields(), hasher.finish())
+    with pytest.raises(SnapguardError) as e:
+        image.verify(str(d))
+    assert e.value.failure.reason is Reason.IMAGE_CORRUPT and "pages-1.img" in str(e.value)
+
+
+def test_a_page_file_replaced_after_it_was_hashed_is_hashed_again(tmp_path: Path, small_spans: int) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.SpanHasher(str(d), threads=1)
+    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
+    _wait_for(lambda: hasher.done_spans() == 3)
+    known = hasher.finish()
+    (d / "new").write_bytes(os.urandom(small_spans * 3))
+    os.replace(d / "new", d / "pages-1.img")  # another inode under the name
+    manifest = image.seal(str(d), _fields(), known)
+    assert image.verify(str(d))["files"] == manifest["files"]
+
+
+def test_a_page_file_that_is_not_a_regular_file_stops_the_hasher_and_the_seal_refuses_it(
+        tmp_path: Path, outside: Path, small_spans: int) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.SpanHasher(str(d), threads=1)
+    os.symlink(outside, d / "pages-2.img")
+    _wait_for(lambda: hasher.error is not None)
+    assert "symlink" in hasher.error
+    known = hasher.finish()
+    with pytest.raises(SnapguardError) as e:
+        image.seal(str(d), _fields(), known)
+    assert e.value.failure.reason is Reason.IMAGE_WRITE_FAILED

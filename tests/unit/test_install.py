@@ -149,7 +149,8 @@ def test_containerd_16_with_debians_config(node: Node) -> None:
     assert load({"SNAPGUARD_CONFIG": str(node.config)}).runc == str(node.runc)  # snapguard reads it
     # a switch at its default is not written: an older snapguard, which refuses keys it does not
     # know, still reads the file, and the plan still shows it
-    assert "cuda_broker" not in config and plan.facts["config"]["cuda_broker"]["value"] is True
+    for switch in install.UNWRITTEN_DEFAULTS:
+        assert switch not in config and plan.facts["config"][switch]["value"] is True
     for path, mode in ((node.dropin, 0o644), (node.main, 0o644), (node.config, 0o644), (node.state, 0o600)):
         st = os.stat(path)
         assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0), path
@@ -214,7 +215,7 @@ def test_nvidia_default_runtime_is_snapguards_runc(node: Node) -> None:
     config = _toml(node.config)
     assert config["runc"] == str(node.nvidia)  # GPU containers keep their devices
     assert config["take_wait_s"] == 20  # what the site set is kept
-    assert "cuda_broker" not in config  # an older install's file gains no key it did not have
+    assert not set(install.UNWRITTEN_DEFAULTS) & set(config)  # an older install's file gains no key it did not have
     assert any("replaced by NVIDIA's" in n for n in plan.notes)
     cri = _toml(node.dropin)["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["sandbox_image"] == "registry.k8s.io/pause:3.9" and cri["containerd"]["default_runtime_name"] == "nvidia"
