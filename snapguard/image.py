@@ -201,27 +201,42 @@ def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]],
 
 
 class SpanHasher:
-    """Hashes the whole 64 MiB spans of CRIU's page files while the dump is still writing them, so
-    that the seal hashes only the rest (on the H200 the seal of the 85 M trainer's 3.4 GB image
-    took 0.29 s after the dump, 1.5 s at 1.2 B). CRIU appends to a page file (page-xfer splices
-    the pages at the file's position), so what lies below a file's size is final. A span changed
-    after it was hashed, or a file replaced under its name, would give a digest the restore
-    refuses (IMAGE_CORRUPT): never a pass. Whatever goes wrong here (a file that is not a regular
-    one, an error) only stops it: the seal then hashes, and checks, those files whole."""
+    """Hashes the whole 64 MiB spans of CRIU's page files while a stop snapshot's dump is still
+    writing them, so that the seal hashes only the rest (on the H200 the seal of the 85 M
+    trainer's 3.4 GB image took 0.29 s after the dump, 1.5 s at 1.2 B).
+
+    CRIU creates each page file at the start of its dump (O_TRUNC) and then only appends to it
+    (page-xfer splices the pages at the file's position), so what lies below a file's size is
+    final. Hence: a page file already in the directory when the hasher starts (left by an
+    earlier attempt: CRIU truncates and rewrites the same inode) is never hashed early, and a file
+    ever seen shorter than before loses what was hashed of it; the seal hashes both whole. A file
+    replaced under its name is another inode, whose spans the seal does not take. What neither
+    catches is a span rewritten in place after it was read, which CRIU does not do: the local
+    restore's check would refuse it, but a copy streamed to the store (snapguard.store, which
+    reads the spans as early) would agree with the manifest. Whatever goes wrong here (a file that
+    is not a regular one, an error) only stops the hasher: the seal then hashes, and checks,
+    those files whole."""
 
     def __init__(self, image_dir: str, threads: int) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
 
         self._stop = threading.Event()
+        # name: (fd, (st_dev, st_ino), {span index: digest}); the fd is opened once the file holds
+        # a whole span, so a tree of many small page files holds no descriptor for them
         self._files: dict[str, tuple[int, tuple[int, int], dict[int, Future[bytes]]]] = {}
+        self._shrunk: set[str] = set()
         self.error: str | None = None
         self._dir_fd = os.open(image_dir, _O_DIR)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="span-hash")
-        self._thread = threading.Thread(target=self._watch, name="span-hasher", daemon=True)
         try:
-            self._thread.start()
+            self._before = {name for name in os.listdir(self._dir_fd) if _PAGES_FILE.fullmatch(name)}
+            self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="span-hash")
+            self._thread = threading.Thread(target=self._watch, name="span-hasher", daemon=True)
+            try:
+                self._thread.start()
+            except BaseException:
+                self._pool.shutdown(wait=False)
+                raise
         except BaseException:
-            self._pool.shutdown(wait=False)
             os.close(self._dir_fd)
             raise
 
@@ -238,19 +253,25 @@ class SpanHasher:
 
     def _look(self) -> None:
         for name in os.listdir(self._dir_fd):
-            if not _PAGES_FILE.fullmatch(name):
+            if not _PAGES_FILE.fullmatch(name) or name in self._before or name in self._shrunk:
                 continue
             if name not in self._files:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_size < _SPAN:
+                    continue  # not a whole span yet; anything but a regular file: _open_regular says
                 fd, st = _open_regular(self._dir_fd, name)
                 self._files[name] = (fd, (st.st_dev, st.st_ino), {})
             fd, _, spans = self._files[name]
-            whole = os.fstat(fd).st_size // _SPAN
-            for i in range(len(spans), whole):
+            size = os.fstat(fd).st_size
+            if size < len(spans) * _SPAN:  # it shrank: nothing hashed of it can be trusted
+                self._shrunk.add(name)
+                continue
+            for i in range(len(spans), size // _SPAN):
                 spans[i] = self._pool.submit(_sha256_at, fd, i * _SPAN, _SPAN)
 
     def finish(self) -> SpanDigests:
         """Stop, and the spans hashed by now (those still queued are left to the seal); once: a
-        second call returns nothing."""
+        second call returns nothing. Never raises: the snapshot goes on without what it lacks."""
         if self._stop.is_set():
             return {}
         self._stop.set()
@@ -258,11 +279,18 @@ class SpanHasher:
         self._pool.shutdown(wait=True, cancel_futures=True)
         out: SpanDigests = {}
         for name, (fd, ident, spans) in self._files.items():
-            done = {i: f.result() for i, f in spans.items() if not f.cancelled() and f.exception() is None}
-            out[name] = (ident, done)
-            os.close(fd)
+            if name not in self._shrunk:
+                out[name] = (ident, {i: f.result() for i, f in spans.items()
+                                     if not f.cancelled() and f.exception() is None})
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self._files.clear()
-        os.close(self._dir_fd)
+        try:
+            os.close(self._dir_fd)
+        except OSError:
+            pass
         return out
 
 

@@ -173,10 +173,10 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         except SnapguardError:
             take.release_all(found)
             raise
-        # a stop snapshot's page files are hashed while CRIU writes them (the workload is gone
-        # anyway); a leave-running one's only once CRIU is done, beside the CUDA resume: the hashing
-        # takes cores and memory bandwidth CRIU would otherwise have (on two cores CRIU's run took
-        # 4.56 s against 3.95, bench/results/hash-while-dumping-*), and that would be stall
+        # A stop snapshot's page files are hashed while CRIU writes them. Not a leave-running
+        # one's: its seal comes after the stall, and the hashing takes cores and memory bandwidth
+        # from CRIU (on two cores CRIU's run took 4.56 s against 3.95,
+        # bench/results/hash-while-dumping-*) and from the CUDA resume, both inside the stall.
         hasher = None if req.leave_running else _span_hasher(req.image_dir, config, steps)
         try:
             rc: int | None = None
@@ -192,8 +192,6 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
                 runner.after_failed_dump()
             goes_on = failure is not None or rc != 0 or req.leave_running  # the image is on disk, or there is none
             outcomes: dict[int, str] = {}
-            if req.leave_running and cuda_pids and failure is None and rc == 0:
-                hasher = _span_hasher(req.image_dir, config, steps)
             if goes_on:
                 with steps.step("cuda_resume", Reason.CUDA_STATE_WEDGED):
                     outcomes = gpu_suspend.resume(cuda_pids)
@@ -259,10 +257,11 @@ def _seal(req: Request, runner: Runner, report: preflight.Report, inv: procfs.In
 
 
 def _span_hasher(image_dir: str, config: Config, steps: _Steps) -> image.SpanHasher | None:
-    """The page files' hasher (config `hash_while_dumping`), with a thread of its own for every
-    four cores, at most three (on the H200 CRIU writes 2-3 GB/s and the seal hashed 0.7-0.9 GB/s a
-    thread: three keep most of the pace and leave CRIU its cores; spans still queued at the seal
-    go to its own pool). None when it is off or cannot start (the seal hashes all)."""
+    """The page files' hasher for a stop snapshot's dump (config `hash_while_dumping`), with a
+    thread of its own for every four cores, at most three (on the H200 CRIU writes 2-3 GB/s and
+    the seal hashed 0.7-0.9 GB/s a thread: three keep most of the pace and leave CRIU its cores;
+    spans still queued at the seal go to its own pool). None when it is off or cannot start (the
+    seal hashes all)."""
     if not config.hash_while_dumping:
         return None
     try:

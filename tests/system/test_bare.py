@@ -195,8 +195,8 @@ def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: 
             images = tmp_path / f"img-{drop}"
             out = t.checkpoint(images, images, leave_running=True)
             assert out.returncode == 0, out.stderr
-            # left running, the page files are hashed only beside a CUDA resume, never during the
-            # dump (it would slow CRIU inside the stall); with no CUDA process, by the seal alone
+            # left running, the page files are hashed by the seal alone, after the stall: never
+            # during the dump or the CUDA resume, which it would slow
             assert "spans_hashed_while_dumping" not in json.loads(out.stdout).get("counts", {})
             (figures,) = image.verify(str(images))["take_point"].values()
             assert figures.get("grads_dropped_bytes") == expected, figures

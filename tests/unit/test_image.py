@@ -500,24 +500,64 @@ def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, small_spans: int) -> None:
-    """A page file appended to while the hasher runs: the seal takes the whole spans it hashed
-    and hashes the rest, and the manifest is what a seal from scratch writes."""
+    """A page file appended to while the hasher runs: the spans it hashed while the file was still
+    growing go to the seal, which hashes the rest, and the manifest is what a seal from scratch
+    writes. A page file without a whole span is not even opened."""
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
     hasher = image.SpanHasher(str(d), threads=2)
     data = os.urandom(small_spans * 7 + 123)
-    with open(d / "pages-1.img", "wb") as f:
-        for i in range(0, len(data), 1000):  # as CRIU does: at the file's position, in pieces
+    with open(d / "pages-1.img", "wb") as f:  # as CRIU does: at the file's position, in pieces
+        for i in range(0, small_spans * 3, 1000):
             f.write(data[i:i + 1000])
-            f.flush()
+        f.flush()
+        _wait_for(lambda: hasher.done_spans() == 3)  # hashed while the file is still being written
+        for i in range(small_spans * 3, len(data), 1000):
+            f.write(data[i:i + 1000])
+    (d / "pages-2.img").write_bytes(b"p" * 100)
     (d / "core-1.img").write_bytes(b"core")  # not a page file: the seal hashes it
     _wait_for(lambda: hasher.done_spans() == 7)
+    time.sleep(0.1)  # polls enough to have opened pages-2.img, were it to
     known = hasher.finish()
     assert set(known) == {"pages-1.img"} and sorted(known["pages-1.img"][1]) == list(range(7))
     assert hasher.finish() == {} and hasher.error is None  # once
     manifest = image.seal(str(d), _fields(), known)
     assert image.verify(str(d))["files"] == manifest["files"]
     assert image.seal(str(d), _fields())["files"] == manifest["files"]
+
+
+def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path: Path, small_spans: int) -> None:
+    """An earlier attempt's page file: CRIU truncates and rewrites the same inode, so what was read
+    of it before is no digest of the new one."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
+    hasher = image.SpanHasher(str(d), threads=1)
+    time.sleep(0.1)
+    with open(d / "pages-1.img", "r+b") as f:  # O_TRUNC on the same inode, as CRIU's open
+        f.truncate(0)
+        f.write(os.urandom(small_spans * 3))
+    time.sleep(0.1)
+    assert hasher.done_spans() == 0
+    manifest = image.seal(str(d), _fields(), hasher.finish())
+    assert image.verify(str(d))["files"] == manifest["files"]
+
+
+def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, small_spans: int) -> None:
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.SpanHasher(str(d), threads=1)
+    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
+    _wait_for(lambda: hasher.done_spans() == 3)
+    with open(d / "pages-1.img", "r+b") as f:
+        f.truncate(small_spans)
+        _wait_for(lambda: "pages-1.img" in hasher._shrunk)
+        f.seek(small_spans)
+        f.write(os.urandom(small_spans * 2))
+    known = hasher.finish()
+    assert "pages-1.img" not in known
+    manifest = image.seal(str(d), _fields(), known)
+    assert image.verify(str(d))["files"] == manifest["files"]
 
 
 def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path, small_spans: int) -> None:
