@@ -44,8 +44,8 @@ DEFAULTS = {
     # the executor answers CRIU's CUDA plugin's cuda-checkpoint runs itself while CRIU runs
     # (snapguard.cuda.Broker): a shorter stall and restore on the H200; false runs the tool each time
     "cuda_broker": True,
-    # the page files are hashed while CRIU writes them (snapguard.image.SpanHasher): the seal after
-    # the dump hashes only the rest
+    # a stop snapshot's page files are hashed while CRIU writes them
+    # (snapguard.image.PageFileHasher): the seal after the dump hashes only the rest
     "hash_while_dumping": True,
 }
 

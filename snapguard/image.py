@@ -33,8 +33,8 @@ from . import __version__, trust
 from .names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
 from .reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "Inspected", "SpanDigests", "SpanHasher", "compare_with_host",
-           "inspect", "seal", "validate_manifest", "verify"]
+__all__ = ["MANIFEST_NAME", "MARKER_NAME", "SCHEMA", "Inspected", "PageFileHasher", "SpanDigests",
+           "compare_with_host", "inspect", "seal", "validate_manifest", "verify"]
 
 SCHEMA = "snapguard.manifest/1"
 SCHEMA_FILE = "manifest.schema.json"  # in this package: the JSON Schema of a SCHEMA manifest
@@ -171,7 +171,7 @@ def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]],
               known: SpanDigests | None = None) -> dict[str, str]:
     """{name: digest} for {name: (size, (st_dev, st_ino))}: the digest is the sha256 of the sha256s
     of the file's 64 MiB spans, so that one 6 GB pages file is hashed by all cores, not one.
-    `known`: whole spans already hashed (SpanHasher), taken where the file is the same inode."""
+    `known`: whole spans already hashed (PageFileHasher), taken where the file is the same inode."""
     per_file = {name: [(name, ident, off, min(_SPAN, size - off)) for off in range(0, size, _SPAN)]
                 or [(name, ident, 0, 0)] for name, (size, ident) in files.items()}
     spans = [span for file_spans in per_file.values() for span in file_spans]
@@ -200,7 +200,7 @@ def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]],
     return out
 
 
-class SpanHasher:
+class PageFileHasher:
     """Hashes the whole 64 MiB spans of CRIU's page files while a stop snapshot's dump is still
     writing them, so that the seal hashes only the rest (on the H200 the seal of the 85 M
     trainer's 3.4 GB image took 0.29 s after the dump, 1.5 s at 1.2 B).
@@ -380,7 +380,7 @@ def _seal_files(dir_fd: int, image_dir: str) -> dict[str, tuple[int, tuple[int, 
 
 def seal(image_dir: str, fields: dict[str, Any], known: SpanDigests | None = None) -> dict[str, Any]:
     """Tighten the image to root alone, hash it, write the manifest, then the completion marker.
-    `known`: spans hashed while the image was written (SpanHasher.finish()).
+    `known`: spans hashed while the image was written (PageFileHasher.finish()).
 
     An OSError propagates as such; an image that must not be sealed (a symlink, FIFO, device,
     socket or directory in it, a file of another user's) raises SnapguardError(IMAGE_WRITE_FAILED).

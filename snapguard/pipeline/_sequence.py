@@ -177,7 +177,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         # one's: its seal comes after the stall, and the hashing takes cores and memory bandwidth
         # from CRIU (on two cores CRIU's run took 4.56 s against 3.95,
         # bench/results/hash-while-dumping-*) and from the CUDA resume, both inside the stall.
-        hasher = None if req.leave_running else _span_hasher(req.image_dir, config, steps)
+        hasher = None if req.leave_running else _page_file_hasher(req.image_dir, config, steps)
         try:
             rc: int | None = None
             failure: SnapguardError | None = None
@@ -256,7 +256,7 @@ def _seal(req: Request, runner: Runner, report: preflight.Report, inv: procfs.In
     }, known)
 
 
-def _span_hasher(image_dir: str, config: Config, steps: _Steps) -> image.SpanHasher | None:
+def _page_file_hasher(image_dir: str, config: Config, steps: _Steps) -> image.PageFileHasher | None:
     """The page files' hasher for a stop snapshot's dump (config `hash_while_dumping`), with a
     thread of its own for every four cores, at most three (on the H200 CRIU writes 2-3 GB/s and
     the seal hashed 0.7-0.9 GB/s a thread: three keep most of the pace and leave CRIU its cores;
@@ -265,13 +265,13 @@ def _span_hasher(image_dir: str, config: Config, steps: _Steps) -> image.SpanHas
     if not config.hash_while_dumping:
         return None
     try:
-        return image.SpanHasher(image_dir, threads=min(3, max(1, (os.cpu_count() or 1) // 4)))
+        return image.PageFileHasher(image_dir, threads=min(3, max(1, (os.cpu_count() or 1) // 4)))
     except (OSError, RuntimeError):  # RuntimeError: no thread could start
         steps.counts["span_hasher_unavailable"] = 1
         return None
 
 
-def _spans_hashed(hasher: image.SpanHasher | None, steps: _Steps) -> image.SpanDigests | None:
+def _spans_hashed(hasher: image.PageFileHasher | None, steps: _Steps) -> image.SpanDigests | None:
     """What the hasher did while CRIU wrote (its count in the record); None without one."""
     if hasher is None:
         return None

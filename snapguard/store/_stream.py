@@ -7,10 +7,11 @@ read, hashed and sent as one part of the file's object, several spans in flight.
 counts yet. `finish()`, called after the seal, takes the manifest as the authority: the tail of
 each streamed file is sent, its span digests are combined and compared with the manifest's; a
 file whose streamed bytes differ (CRIU went back and rewrote it, or replaced it) is uploaded again
-whole, from the sealed file (a stop snapshot's manifest takes the page files' span digests from
-snapguard.image.SpanHasher, which reads them as early as this does: a span rewritten in place
-after both read it would agree with the manifest; CRIU only appends to a page file it created); files the manifest does not list are dropped; small files the dump
-finished without a whole span are uploaded then. Only after that come the manifest, the store
+whole, from the sealed file. (A stop snapshot's manifest takes the page files' span digests from
+snapguard.image.PageFileHasher, which reads them as early as this does: a span rewritten in place
+after both read it would agree with the manifest; CRIU only appends to a page file it created.)
+Files the manifest does not list are dropped; small files the dump finished without a whole span
+are uploaded then. Only after that come the manifest, the store
 record and, last and create-only, the marker, under the same fencing check as `Store.push`. A
 dump that fails ends with `abort()`: every part and object sent is deleted, nothing is marked.
 """

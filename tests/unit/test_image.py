@@ -505,7 +505,7 @@ def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, sm
     writes. A page file without a whole span is not even opened."""
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
-    hasher = image.SpanHasher(str(d), threads=2)
+    hasher = image.PageFileHasher(str(d), threads=2)
     data = os.urandom(small_spans * 7 + 123)
     with open(d / "pages-1.img", "wb") as f:  # as CRIU does: at the file's position, in pieces
         for i in range(0, small_spans * 3, 1000):
@@ -532,7 +532,7 @@ def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path:
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
     (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
-    hasher = image.SpanHasher(str(d), threads=1)
+    hasher = image.PageFileHasher(str(d), threads=1)
     time.sleep(0.1)
     with open(d / "pages-1.img", "r+b") as f:  # O_TRUNC on the same inode, as CRIU's open
         f.truncate(0)
@@ -546,7 +546,7 @@ def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path:
 def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, small_spans: int) -> None:
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
-    hasher = image.SpanHasher(str(d), threads=1)
+    hasher = image.PageFileHasher(str(d), threads=1)
     (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
     _wait_for(lambda: hasher.done_spans() == 3)
     with open(d / "pages-1.img", "r+b") as f:
@@ -565,7 +565,7 @@ def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path
     (CRIU never does) is found by the restore's check, never passed."""
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
-    hasher = image.SpanHasher(str(d), threads=1)
+    hasher = image.PageFileHasher(str(d), threads=1)
     (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
     _wait_for(lambda: hasher.done_spans() == 3)
     with open(d / "pages-1.img", "r+b") as f:
@@ -580,7 +580,7 @@ def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path
 def test_a_page_file_replaced_after_it_was_hashed_is_hashed_again(tmp_path: Path, small_spans: int) -> None:
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
-    hasher = image.SpanHasher(str(d), threads=1)
+    hasher = image.PageFileHasher(str(d), threads=1)
     (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
     _wait_for(lambda: hasher.done_spans() == 3)
     known = hasher.finish()
@@ -594,7 +594,7 @@ def test_a_page_file_that_is_not_a_regular_file_stops_the_hasher_and_the_seal_re
         tmp_path: Path, outside: Path, small_spans: int) -> None:
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
-    hasher = image.SpanHasher(str(d), threads=1)
+    hasher = image.PageFileHasher(str(d), threads=1)
     os.symlink(outside, d / "pages-2.img")
     _wait_for(lambda: hasher.error is not None)
     assert "symlink" in hasher.error
