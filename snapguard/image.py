@@ -181,7 +181,8 @@ def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]],
         had = (known or {}).get(name)
         return had[1].get(offset // _SPAN) if had and had[0] == ident and length == _SPAN else None
 
-    todo = [span for span in spans if ahead(span) is None]
+    early = [ahead(span) for span in spans]
+    todo = [span for span, digest in zip(spans, early) if digest is None]
     if sum(length for _, _, _, length in todo) < _PARALLEL_BYTES or (os.cpu_count() or 1) == 1:
         hashed = [_sha256_span(dir_fd, span) for span in todo]
     else:
@@ -192,7 +193,7 @@ def _hash_all(dir_fd: int, files: dict[str, tuple[int, tuple[int, int]]],
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             hashed = list(pool.map(lambda span: _sha256_span(dir_fd, span), todo))
     computed = dict(zip(todo, hashed))
-    digests = [ahead(span) or computed[span] for span in spans]
+    digests = [digest or computed[span] for span, digest in zip(spans, early)]
     out, i = {}, 0
     for name, file_spans in per_file.items():
         out[name] = hashlib.sha256(b"".join(digests[i:i + len(file_spans)])).hexdigest()

@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .config import DEFAULTS, LAUNCHER_PIN_HEADER, ConfigError, _load, launcher_pin_path, pin_stamp, read_launcher_pin, render_launcher_pin
+from .config import (DEFAULTS, LAUNCHER_PIN_HEADER, SWITCH_OVERRIDES, ConfigError, _load, launcher_pin_path, pin_stamp,
+                     read_launcher_pin, render_launcher_pin)
 from .reasons import Reason, SnapguardError
 from .trust import UntrustedPathError, check_trusted_libdir, make_private_dir, open_trusted, resolve_trusted
 
@@ -93,7 +94,8 @@ CONFIG_COMMENTS = {
     "cuda_broker": "the executor answers CRIU's CUDA plugin itself while CRIU runs (shorter stall and restore)",
     "hash_while_dumping": "the image's page files are hashed while CRIU writes them (a shorter seal)",
 }
-UNWRITTEN_DEFAULTS = ("cuda_broker", "hash_while_dumping")
+# every on/off switch: at its default it is left out of the config written (see _plan_config)
+UNWRITTEN_DEFAULTS = tuple(SWITCH_OVERRIDES)
 MAX_FILE_BYTES = 1 << 20
 # snapguard-runc's C launcher: the pinned compiler, the installed name (beside the Python
 # snapguard-runc), its sources (c_helpers/), and how it is compiled.
