@@ -499,6 +499,17 @@ def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
     return 4096
 
 
+def _three_spans_hashed(tmp_path: Path, span: int) -> tuple[Path, image.PageFileHasher]:
+    """An image directory whose pages-1.img, new since the hasher started, holds three whole spans
+    the hasher has hashed."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    hasher = image.PageFileHasher(str(d), threads=1)
+    (d / "pages-1.img").write_bytes(os.urandom(span * 3))
+    _wait_for(lambda: hasher.done_spans() == 3)
+    return d, hasher
+
+
 def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, small_spans: int) -> None:
     """A page file appended to while the hasher runs: the spans it hashed while the file was still
     growing go to the seal, which hashes the rest, and the manifest is what a seal from scratch
@@ -544,11 +555,7 @@ def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path:
 
 
 def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, small_spans: int) -> None:
-    d = tmp_path / "img"
-    d.mkdir(mode=0o700)
-    hasher = image.PageFileHasher(str(d), threads=1)
-    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
-    _wait_for(lambda: hasher.done_spans() == 3)
+    d, hasher = _three_spans_hashed(tmp_path, small_spans)
     with open(d / "pages-1.img", "r+b") as f:
         f.truncate(small_spans)
         _wait_for(lambda: "pages-1.img" in hasher._shrunk)
@@ -563,11 +570,7 @@ def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, sm
 def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path, small_spans: int) -> None:
     """What the hasher read is what the manifest vouches for: a span rewritten in place after it
     (CRIU never does) is found by the restore's check, never passed."""
-    d = tmp_path / "img"
-    d.mkdir(mode=0o700)
-    hasher = image.PageFileHasher(str(d), threads=1)
-    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
-    _wait_for(lambda: hasher.done_spans() == 3)
+    d, hasher = _three_spans_hashed(tmp_path, small_spans)
     with open(d / "pages-1.img", "r+b") as f:
         f.seek(small_spans + 5)
         f.write(b"\0" * 8)
@@ -578,11 +581,7 @@ def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path
 
 
 def test_a_page_file_replaced_after_it_was_hashed_is_hashed_again(tmp_path: Path, small_spans: int) -> None:
-    d = tmp_path / "img"
-    d.mkdir(mode=0o700)
-    hasher = image.PageFileHasher(str(d), threads=1)
-    (d / "pages-1.img").write_bytes(os.urandom(small_spans * 3))
-    _wait_for(lambda: hasher.done_spans() == 3)
+    d, hasher = _three_spans_hashed(tmp_path, small_spans)
     known = hasher.finish()
     (d / "new").write_bytes(os.urandom(small_spans * 3))
     os.replace(d / "new", d / "pages-1.img")  # another inode under the name
