@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from snapguard import procfs
 from snapguard.preflight import scan
 from snapguard_lab.planted import DEVICE_MAP, IO_URING, planted
 
@@ -62,7 +63,7 @@ def sleepers() -> Iterator[set[int]]:
     try:
         deadline = time.monotonic() + 10
         # Sleeping (S) means the loader has mapped everything and nanosleep has begun.
-        while not all(_state(p.pid) == "S" for p in procs):
+        while not all(procfs.process_state(p.pid) == "S" for p in procs):
             assert time.monotonic() < deadline, "sleepers did not settle"
             time.sleep(0.01)
         yield {p.pid for p in procs}
@@ -72,10 +73,6 @@ def sleepers() -> Iterator[set[int]]:
             p.wait()
         os.close(read_end)
         os.close(write_end)
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _quiet_pids(*scans: list[scan.Match]) -> set[int]:
