@@ -1,5 +1,6 @@
-"""The take point: a workload-side hook that brings a PyTorch trainer to a step boundary,
-releases the allocator's free reserve and holds still while a snapshot is taken.
+"""The take point: a workload-side hook that brings a PyTorch trainer to a step boundary, moves
+its tensors' bytes from the GPU into host memory (back on the release), releases the allocator's
+reserve and holds still while a snapshot is taken.
 
 Injected without changing the trainer: start it with PYTHONPATH including `site_dir()` (which
 holds a sitecustomize) and SNAPGUARD_TAKE_DIR set. The executor side is `take`: `trainers` finds

@@ -8,9 +8,11 @@ unix socket for one request per connection:
   take-at <S> <s>   -> hold at the end of step S (a step every rank of a job reaches: no rank is
                        left inside a collective that waits for a held one)
   release           -> go on
-While held, the trainer's own thread has synchronised, emptied PyTorch's device and pinned host
-caches and trimmed the C heap, and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot hold it
-forever.
+While held, the trainer's own thread has synchronised, moved its tensors' bytes from the GPU into
+host memory (`_Offload`: the driver's checkpoint then copies little; back on the release; off with
+SNAPGUARD_TAKE_OFFLOAD=0), emptied PyTorch's device and pinned host caches and trimmed the C heap,
+and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot
+hold it forever.
 
 It also resolves the two things that put GPU handles outside a CUDA context into a trainer's tree
 (CRIU cannot dump them), on by default, off with SNAPGUARD_RESOLVE_BLOCKERS=0:
@@ -40,6 +42,7 @@ executor's preflight knows that the hook is there.
 from __future__ import annotations
 
 import gc
+import heapq
 import importlib.abc
 import importlib.machinery
 import json
@@ -49,7 +52,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["drop_inherited", "resolving", "start"]
 
@@ -58,6 +61,7 @@ _OPTIMIZER_MODULE = "torch.optim.optimizer"
 _ASYNC_COMPILE = "torch._inductor.async_compile"
 _IDLE_STEPS = int(os.environ.get("SNAPGUARD_COMPILE_IDLE_STEPS", "5"))
 _DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
+_RELOAD_PATIENCE_S = 60.0  # how long the release waits for device memory another process took
 _POOL_SHUTDOWN_S = 120.0  # the longest a take waits for the pool to go (5.2 s seen on the H200)
 
 
@@ -350,6 +354,257 @@ def _malloc_trim() -> None:
     trim(0)
 
 
+class _Offload:
+    """The hold's move of the stepped optimizer's tensors off the device, and back on the release.
+
+    Why: the driver's checkpoint copies every byte of device memory a process holds to the host at
+    about 2 GB/s on the H200, and its restore copies it back; PyTorch copies its own tensors at
+    several times that, and leaves none of the allocator's unused reserve. So at the hold the
+    storages of the optimizer's parameters, gradients and state are copied into one host mapping
+    (`_Arena`) and their device memory freed: the storage object stays, emptied, so every view and
+    every Python reference to it stays valid (FSDP's resize_(0)). The driver's checkpoint then holds
+    what is left (the CUDA context, other tensors). On the release each storage gets fresh device
+    memory and its bytes back, before the trainer's next step: the same bytes at another address.
+
+    Only the optimizer's tensors move: what the trainer's step owns. Nothing moves while something
+    may replay kernels at fixed addresses (a CUDA graph, memory in a private pool: torch.compile's
+    reduce-overhead mode); a storage the allocator does not own stays, and so does one whose memory
+    another storage also covers (a DLPack export, from_blob): that one would go on reading the old
+    address. What no Python object shows (a raw pointer kept by an extension, a CUDA IPC export
+    read by another process) cannot be seen here: such a trainer, or one whose own threads touch
+    the optimizer's tensors while it is held, sets SNAPGUARD_TAKE_OFFLOAD=0."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.moved: list[tuple[Any, int, int]] = []  # (the storage, its bytes' offset in the arena, their count)
+        self.arena: _Arena | None = None
+        self.figures: dict[str, Any] = {"state": "none"}
+
+    @staticmethod
+    def _graphs(torch: Any) -> tuple[type, ...]:
+        graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+        return (graph,) if isinstance(graph, type) else ()
+
+    def _storage(self, tensor: Any) -> Any:
+        """The tensor's storage when it is on this device and holds bytes, else None."""
+        try:
+            storage = tensor.untyped_storage()  # sparse tensors and wrapper subclasses have none
+            if storage.device.type == self.device_type and storage.nbytes() > 0:
+                return storage
+        except Exception:
+            pass
+        return None
+
+    def _candidates(self, torch: Any, tensors: list[Any],
+                    objects: list[Any]) -> tuple[list[Any], int, str | None]:
+        """The distinct storages of `tensors` that may move, the bytes of those that must stay (not
+        the allocator's, or their memory aliased by another storage among `objects`' tensors), or
+        why nothing may move."""
+        graphs = self._graphs(torch)
+        others: dict[int, tuple[int, int]] = {}  # every storage on the device: its memory's range
+        for o in objects:
+            kind = type(o)  # not isinstance: some of torch's own objects warn when asked for __class__
+            if graphs and issubclass(kind, graphs):
+                return [], 0, "a CUDA graph exists (it replays kernels at fixed addresses)"
+            if issubclass(kind, torch.Tensor):
+                storage = self._storage(o)
+                if storage is not None:
+                    others[storage._cdata] = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+        if self.device_type == "cuda":
+            try:
+                pools = {tuple(seg.get("segment_pool_id") or (0, 0)) for seg in torch.cuda.memory_snapshot()}
+            except Exception as e:
+                return [], 0, f"the allocator's segments cannot be read: {type(e).__name__}: {e}"
+            if pools - {(0, 0)}:
+                return [], 0, "device memory in a private pool (CUDA graphs or a torch.cuda.MemPool)"
+        found: dict[int, Any] = {}
+        for t in tensors:
+            storage = self._storage(t)
+            if storage is not None:
+                found.setdefault(storage._cdata, storage)
+                others.setdefault(storage._cdata, (storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        # a sweep over the ranges by start: each range still open where another starts shares memory
+        aliased: set[int] = set()
+        open_ranges: list[tuple[int, int]] = []  # a heap of (end, key)
+        for lo, hi, key in sorted((lo, hi, key) for key, (lo, hi) in others.items()):
+            while open_ranges and open_ranges[0][0] <= lo:
+                heapq.heappop(open_ranges)
+            if open_ranges:
+                aliased.add(key)
+                aliased.update(k for _, k in open_ranges)
+            heapq.heappush(open_ranges, (hi, key))
+        movable, kept = [], 0
+        for key, storage in found.items():
+            if key in aliased or not storage.resizable():
+                kept += storage.nbytes()
+            else:
+                movable.append(storage)
+        return movable, kept, None
+
+    def take(self, torch: Any, tensors: list[Any], objects: Sequence[Any] = (), deadline: float | None = None,
+             room: int | None = None) -> dict[str, Any]:
+        """Move the storages of `tensors` out, the largest first; the figures. `objects`: the rest
+        of what the process holds (gc.get_objects()), to find graphs and aliases. What does not fit
+        in `room` bytes (default: 80% of the host memory this process may still take), or would not
+        be copied by `deadline` (time.monotonic(), at the rate so far: the executor's wait for the
+        take is not outrun), stays on the device ("partial"); so does everything from a copy that
+        fails on (what moved before it comes back with the reload). Never raises."""
+        t0 = time.monotonic()
+        try:
+            movable, kept, blocker = self._candidates(torch, tensors, list(objects))
+        except Exception as e:
+            blocker = f"{type(e).__name__}: {e}"[:300]
+        if blocker is not None:
+            self.figures = {"state": "skipped", "why": blocker}
+            return self.figures
+        movable.sort(key=lambda st: st.nbytes(), reverse=True)
+        # host memory the copies may take: a trainer the kernel or its cgroup would kill for it is
+        # worse off than one whose bytes the driver copies (which fails with an error when short)
+        room = int(_host_room() * 0.8) if room is None else room
+        offsets, total, fits, left = [], 0, [], 0
+        for storage in movable:
+            size = -(-storage.nbytes() // _ALIGN) * _ALIGN
+            if total + size > room:
+                left += storage.nbytes()
+                continue
+            fits.append(storage)
+            offsets.append(total)
+            total += size
+        error, i = None, 0
+        try:
+            if self.device_type == "cuda":  # every device the copies read from, not only the current one
+                for index in sorted({st.device.index for st in fits if st.device.index is not None}):
+                    torch.cuda.synchronize(index)
+            arena = self.arena = _Arena(torch, total) if fits else None
+            rate, copied, t1 = 2e9, 0, time.monotonic()  # bytes/s until the first copies say
+            for i, (storage, offset) in enumerate(zip(fits, offsets)):
+                n = storage.nbytes()
+                if deadline is not None and time.monotonic() + n / rate > deadline:
+                    left += n
+                    continue
+                assert arena is not None
+                arena.view(offset, n).copy_(_as_bytes(torch, storage, n))  # pageable: synchronous
+                storage.resize_(0)
+                self.moved.append((storage, offset, n))
+                copied += n
+                rate = max(copied / max(time.monotonic() - t1, 1e-6), 1e8)
+        except Exception as e:  # stop here: what moved stays moved and comes back with the reload
+            error = f"{type(e).__name__}: {e}"[:300]
+            left += sum(st.nbytes() for st in fits[i:]) if fits else 0
+        state = "moved" if not left and error is None else ("failed" if error and not self.moved else "partial")
+        self.figures = {"state": state, "storages": len(self.moved), "bytes": sum(n for _, _, n in self.moved),
+                        "kept_bytes": kept, **({"left_bytes": left} if left else {}),
+                        **({"error": error} if error else {}), "s": time.monotonic() - t0}
+        return self.figures
+
+    def reload(self, torch: Any, patience_s: float = 0.0) -> None:
+        """Every moved storage back on its device, with its bytes; the host copies unmapped. When
+        the device has no memory for one (another process took what the hold freed), the
+        allocator's cache is emptied and it is tried again for up to `patience_s` seconds before
+        the error is raised."""
+        give_up = time.monotonic() + patience_s
+        oom = getattr(torch, "OutOfMemoryError", RuntimeError)
+        while self.moved:
+            storage, offset, n = self.moved[-1]
+            assert self.arena is not None
+            try:
+                storage.resize_(n)
+            except oom:
+                if time.monotonic() >= give_up:
+                    raise
+                if self.device_type == "cuda":
+                    torch.cuda.empty_cache()
+                time.sleep(0.5)
+                continue
+            _as_bytes(torch, storage, n).copy_(self.arena.view(offset, n))
+            self.moved.pop()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+def _optimizer_tensors(torch: Any, optimizer: Any) -> list[Any]:
+    """The optimizer's parameters, their gradients and its state's tensors."""
+    out: list[Any] = []
+    for group in getattr(optimizer, "param_groups", None) or []:
+        for p in group.get("params", []):
+            out.append(p)
+            if getattr(p, "grad", None) is not None:
+                out.append(p.grad)
+    for state in (getattr(optimizer, "state", None) or {}).values():
+        if isinstance(state, dict):
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+_ALIGN = 4096  # each storage's bytes start on a page of the arena
+
+
+def _host_room(proc_self: str = "/proc/self", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Bytes of memory this process may still take: the kernel's MemAvailable, and below it what
+    its cgroup (v2) leaves under memory.max; 0 when the kernel does not say."""
+    room = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        return 0
+    try:
+        with open(f"{proc_self}/cgroup") as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+        if path is not None:
+            base = os.path.join(cgroup_root, path.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as f:
+                    room = min(room, max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 here, or no memory controller: the kernel's figure alone
+    return room
+
+
+def _as_bytes(torch: Any, storage: Any, n: int) -> Any:
+    """A uint8 tensor over the first n bytes of an untyped storage (on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (n,), (1,))
+
+
+class _Arena:
+    """One anonymous mapping for the moved bytes, asked for transparent huge pages: a page fault per
+    2 MiB instead of per 4 KiB while the copies fill it. On the H200 the first take moved 1.37 GB at
+    1.4 GB/s into malloc's fresh pages and later ones at 8 GB/s into heap pages faulted before. It is
+    unmapped as a whole by the reload, so nothing of it stays resident between snapshots."""
+
+    def __init__(self, torch: Any, size: int) -> None:
+        import mmap
+
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            try:
+                self.map.madvise(advice)
+            except OSError:  # transparent huge pages are off in this kernel: 4 KiB pages then
+                pass
+        self.bytes: Any = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def view(self, offset: int, n: int) -> Any:
+        return self.bytes[offset:offset + n]
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # a view of it still lives somewhere: unmapped when that goes
+            pass
+
+
+def _offload_on() -> bool:
+    return os.environ.get("SNAPGUARD_TAKE_OFFLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _drop_grads(optimizer: Any) -> int:
     """Set the gradients of the optimizer's parameters to None; the bytes they held."""
     dropped = 0
@@ -374,6 +629,7 @@ class _TakePoint:
         self.figures: dict[str, Any] = {}
         self.lock = threading.Lock()
         self.requested_at = 0.0
+        self.armed_at = 0.0  # time.monotonic() of the take's arrival
         self.wait_s = 10.0  # how long the executor waits for this take
 
     def arm(self, at_step: int | None, wait_s: float = 10.0) -> None:
@@ -383,10 +639,14 @@ class _TakePoint:
             self.released.clear()
             self.hold_at = self.step + 1 if at_step is None else at_step
             self.requested_at = time.time()
+            self.armed_at = time.monotonic()
 
     def disarm(self) -> None:
+        """The executor stopped waiting (and snapshots without the hold, or not at all): a hold that
+        begins or is under way now does not wait for a release that will not come."""
         with self.lock:
             self.hold_at = None
+            self.released.set()
 
     def at_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self.lock:
@@ -433,8 +693,18 @@ class _TakePoint:
         host_before = _host_anon_bytes()
         t0 = time.monotonic()
         grads_dropped = _drop_grads(optimizer) if _DROP_GRADS else None
+        offload: _Offload | None = None
+        allocated = 0
         if cuda:
             torch.cuda.synchronize()
+            allocated = torch.cuda.memory_allocated()
+            if _offload_on():
+                gc.collect()  # what nothing refers to any more is freed, not moved
+                offload = _Offload("cuda")
+                # what is not moved by then stays for the driver's checkpoint: the executor's wait
+                # (which the step before the hold already used part of) also covers the trim below
+                offload.take(torch, _optimizer_tensors(torch, optimizer), gc.get_objects(),
+                             deadline=self.armed_at + 0.7 * self.wait_s)
             torch.cuda.empty_cache()
             host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
             if host_empty is not None:
@@ -447,7 +717,7 @@ class _TakePoint:
             "step": self.step,
             "reserved_before": reserved_before,
             "reserved_after": torch.cuda.memory_reserved() if cuda else 0,
-            "allocated": torch.cuda.memory_allocated() if cuda else 0,
+            "allocated": allocated,
             "host_anon_before": host_before,
             "host_anon_after": _host_anon_bytes(),
             "trim_s": time.monotonic() - t0,
@@ -457,9 +727,19 @@ class _TakePoint:
         }
         if pool is not None:
             self.figures["compile_pool"] = pool
+        if offload is not None:
+            self.figures["offload"] = offload.figures
         self.reached.set()
         # Hold at the boundary: the snapshot is taken while this thread waits here.
         self.released.wait(_HOLD_S)
+        if offload is not None:
+            t1 = time.monotonic()
+            try:
+                offload.reload(torch, patience_s=_RELOAD_PATIENCE_S)
+            except Exception as e:  # no device memory for it: the trainer cannot go on without its state
+                raise RuntimeError(f"snapguard take point: the tensors moved to host memory for the snapshot "
+                                   f"cannot come back onto the GPU: {type(e).__name__}: {e}") from e
+            offload.figures["reload_s"] = time.monotonic() - t1
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,266 @@
+"""The take point's move of tensor bytes off the device for the hold (`_Offload`), on real PyTorch.
+
+The machine running these has no GPU, so the same code moves CPU storages (device_type "cpu"):
+what is tested is what does not depend on the device: every storage is emptied in place, views
+and optimizer state stay valid through it, the bytes come back exact, the trainer then steps as a
+twin that never moved, and what must not move does not. The CUDA path runs on the H200
+(bench/gpu/workloads.py, bench/gpu/scaling.py)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from snapguard.hooks._workload import _Offload, _optimizer_tensors  # noqa: E402
+
+
+def _trainer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    torch.manual_seed(1000 + i)
+    opt.zero_grad()
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+
+
+def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    for state in opt.state.values():
+        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def test_storages_are_emptied_in_place_and_come_back_exact() -> None:
+    model, opt = _trainer(0)
+    twin, twin_opt = _trainer(0)
+    for i in range(3):
+        _step(model, opt, i)
+        _step(twin, twin_opt, i)
+    weight = model[0].weight
+    view = weight[3:5]  # a view shares the storage: it must see the bytes again after the reload
+    before = [t.detach().clone() for t in _tensors(model, opt)]
+    storages = {t.untyped_storage()._cdata for t in _tensors(model, opt)}
+
+    offload = _Offload("cpu")
+    figures = offload.take(torch, _optimizer_tensors(torch, opt), [view])
+    assert figures["state"] == "moved", figures
+    assert figures["storages"] == len(storages)  # each storage once; the view's is its base's
+    assert figures["bytes"] == sum(t.untyped_storage().nbytes() for t in before)
+    assert all(t.untyped_storage().nbytes() == 0 for t in _tensors(model, opt))
+    assert view.untyped_storage().nbytes() == 0
+
+    offload.reload(torch)
+    assert offload.moved == []
+    after = _tensors(model, opt)
+    assert {t.untyped_storage()._cdata for t in after} == storages  # the same storage objects
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert torch.equal(view, weight[3:5]) and view.untyped_storage()._cdata == weight.untyped_storage()._cdata
+    for i in range(3, 6):
+        _step(model, opt, i)
+        _step(twin, twin_opt, i)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(model, opt), _tensors(twin, twin_opt)))
+
+
+def test_storages_it_does_not_own_stay_and_other_devices_are_not_touched() -> None:
+    numpy = pytest.importorskip("numpy")
+    shared = torch.from_numpy(numpy.arange(64, dtype=numpy.float32))  # numpy's memory: not resizable
+    mine = torch.arange(32, dtype=torch.float64)
+    meta = torch.empty(1000, device="meta")
+    figures = _Offload("cpu").take(torch, [shared, mine, meta, "not a tensor", 7])
+    assert figures["state"] == "moved" and figures["storages"] == 1, figures
+    assert figures["kept_bytes"] == 64 * 4 and figures["bytes"] == 32 * 8
+    assert shared.untyped_storage().nbytes() == 64 * 4 and torch.equal(shared, torch.arange(64.0))
+    assert meta.untyped_storage().nbytes() == 4000
+
+
+def test_a_storage_whose_memory_another_storage_covers_stays() -> None:
+    """A DLPack export (or from_blob) is a second storage over the same memory: moving the first
+    would leave the second reading the old address after the reload."""
+    exported = torch.arange(64.0)
+    alias = torch.from_dlpack(exported)
+    alone = torch.arange(16.0)
+    figures = _Offload("cpu").take(torch, [exported, alone], [alias])
+    assert figures["storages"] == 1 and figures["kept_bytes"] == 64 * 4, figures
+    exported.add_(1)
+    assert torch.equal(alias, torch.arange(64.0) + 1)  # still the same memory
+    part = torch.from_dlpack(exported)[8:16]  # an alias of a part of it counts as well
+    assert _Offload("cpu").take(torch, [exported], [part])["kept_bytes"] == 64 * 4
+
+
+def test_nothing_moves_while_a_cuda_graph_exists() -> None:
+    graph = object.__new__(torch.cuda.CUDAGraph)  # the type is what is checked: this machine has no GPU
+    mine = torch.arange(8.0)
+    figures = _Offload("cpu").take(torch, [mine], [graph])
+    assert figures == {"state": "skipped", "why": "a CUDA graph exists (it replays kernels at fixed addresses)"}
+    assert mine.untyped_storage().nbytes() == 32
+
+
+def test_a_copy_that_fails_changes_nothing_and_says_why() -> None:
+    """The device here is "meta": its storages have a size but no bytes to copy, so the copy fails
+    and the take says so; a CPU storage is not on that device and stays as it was."""
+    mine = torch.arange(8.0)
+    offload = _Offload("meta")
+    figures = offload.take(torch, [mine, torch.empty(4, device="meta")])
+    assert figures["state"] == "failed" and figures["error"], figures
+    assert offload.moved == [] and torch.equal(mine, torch.arange(8.0))
+
+
+def test_a_copy_that_fails_part_way_leaves_what_moved_for_the_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapguard.hooks import _workload
+
+    first, second, third = torch.arange(64.0), torch.arange(32.0), torch.arange(16.0)
+    real, calls = _workload._as_bytes, []
+
+    def failing_second(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the second copy fails")
+        return real(*args)
+
+    monkeypatch.setattr(_workload, "_as_bytes", failing_second)
+    offload = _Offload("cpu")
+    figures = offload.take(torch, [third, first, second])
+    assert figures["state"] == "partial" and "injected" in figures["error"], figures
+    assert figures["bytes"] == 64 * 4 and figures["left_bytes"] == 32 * 4 + 16 * 4
+    assert first.untyped_storage().nbytes() == 0 and torch.equal(second, torch.arange(32.0))
+    monkeypatch.setattr(_workload, "_as_bytes", real)
+    offload.reload(torch)
+    assert torch.equal(first, torch.arange(64.0))
+
+
+def test_the_reload_waits_for_memory_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No memory for a storage on the release (another process took what the hold freed): tried
+    again until the patience runs out, then the error; what came back stays back."""
+    a, b = torch.arange(64.0), torch.arange(32.0)
+    offload = _Offload("cpu")
+    offload.take(torch, [a, b])
+    storage = a.untyped_storage()
+    real = type(storage).resize_
+    failures = [2]
+
+    def short_of_memory(self, n):  # type: ignore[no-untyped-def]
+        if self._cdata == storage._cdata and failures[0] > 0:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real(self, n)
+
+    monkeypatch.setattr(type(storage), "resize_", short_of_memory)
+    t0 = time.monotonic()
+    offload.reload(torch, patience_s=5.0)  # two failures, then it fits
+    assert time.monotonic() - t0 >= 1.0 and torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0))
+
+    offload = _Offload("cpu")
+    offload.take(torch, [a])
+    storage = a.untyped_storage()
+    failures[0] = 10 ** 6
+    with pytest.raises(torch.OutOfMemoryError):
+        offload.reload(torch, patience_s=0.6)
+    assert len(offload.moved) == 1  # still in host memory: nothing lost
+
+
+def test_the_whole_heap_of_a_process_is_a_valid_input() -> None:
+    """At the hold the objects are gc.get_objects(): whatever the process holds, nothing raises, and
+    every CPU storage it moved comes back."""
+    model, opt = _trainer(1)
+    _step(model, opt, 0)
+    before = [t.detach().clone() for t in _tensors(model, opt)]
+    offload = _Offload("cpu")
+    figures = offload.take(torch, _optimizer_tensors(torch, opt), gc.get_objects())
+    assert figures["state"] == "moved" and figures["storages"] == len(before), figures
+    offload.reload(torch)
+    assert all(torch.equal(a, b) for a, b in zip(before, _tensors(model, opt)))
+
+
+def test_past_its_deadline_the_rest_stays_and_the_arena_goes_with_the_reload() -> None:
+    big, small = torch.arange(4096.0), torch.arange(16.0)
+    offload = _Offload("cpu")
+    figures = offload.take(torch, [small, big], deadline=0.0)  # long past: nothing moves
+    assert figures["state"] == "partial" and figures["storages"] == 0, figures
+    assert figures["left_bytes"] == 4096 * 4 + 16 * 4 and big.untyped_storage().nbytes() == 4096 * 4
+    offload.reload(torch)
+
+    # one that would not be copied by the deadline at the rate assumed (2 GB/s) stays; a smaller
+    # one after it still moves
+    large = torch.empty(64 << 20)  # 256 MiB: 0.13 s at that rate
+    offload = _Offload("cpu")
+    figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.05)
+    assert figures["state"] == "partial" and figures["left_bytes"] == 256 << 20, figures
+    assert figures["storages"] == 1 and small.untyped_storage().nbytes() == 0
+    offload.reload(torch)
+    del large
+
+    offload = _Offload("cpu")
+    assert offload.take(torch, [small, big])["state"] == "moved"
+    assert [n for _, _, n in offload.moved] == [4096 * 4, 16 * 4]  # the largest first
+    arena = offload.arena
+    assert arena is not None and not arena.map.closed
+    offload.reload(torch)
+    assert arena.map.closed and offload.arena is None  # unmapped: nothing stays resident
+    assert torch.equal(big, torch.arange(4096.0)) and torch.equal(small, torch.arange(16.0))
+
+
+def test_a_hold_the_executor_gave_up_on_does_not_wait_for_a_release() -> None:
+    """A hold waits for the executor's release; but when the executor's wait for the take ran out
+    (its answer says "no step boundary in time", and it snapshots without the hold) just as the
+    trainer got into it, the trainer goes on at once instead of after SNAPGUARD_TAKE_HOLD_S."""
+    import threading
+
+    from snapguard.hooks._workload import _answer, _TakePoint
+
+    point = _TakePoint()
+    for give_up in (False, True):
+        point.arm(None, 5.0)
+        trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
+        trainer.start()
+        assert point.reached.wait(5)
+        trainer.join(0.3)
+        assert trainer.is_alive()  # held
+        if give_up:
+            point.disarm()  # what the take's answer does when its wait ran out
+        else:
+            assert _answer(point, ["release"]) == {"ok": True}
+        trainer.join(5)
+        assert not trainer.is_alive()
+
+    answer = _answer(point, ["take", "0.2"])  # no step comes: the take gives up, nothing holds later
+    assert answer["ok"] is False and "no step boundary in time" in answer["error"]
+    trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
+    trainer.start()
+    trainer.join(5)
+    assert not trainer.is_alive()
+
+
+def test_what_does_not_fit_in_host_memory_stays() -> None:
+    from snapguard.hooks._workload import _host_room
+
+    big, small = torch.arange(4096.0), torch.arange(16.0)  # 16 KiB and one 4 KiB page of the arena
+    offload = _Offload("cpu")
+    figures = offload.take(torch, [small, big], room=8192)
+    assert figures["state"] == "partial" and figures["bytes"] == 64 and figures["left_bytes"] == 4096 * 4, figures
+    assert big.untyped_storage().nbytes() == 4096 * 4 and small.untyped_storage().nbytes() == 0
+    offload.reload(torch)
+    assert torch.equal(small, torch.arange(16.0))
+    assert 0 < _host_room() < 1 << 50  # this machine's real figure
+
+
+def test_host_room_is_the_cgroups_when_that_is_less(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from snapguard.hooks._workload import _host_room
+
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "cgroup").write_text("0::/job/trainer\n")
+    group = tmp_path / "cg" / "job" / "trainer"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("3000000\n")
+    (group / "memory.current").write_text("1000000\n")
+    assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) == 2000000
+    (group / "memory.max").write_text("max\n")
+    assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) > 2000000  # MemAvailable alone
