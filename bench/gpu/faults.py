@@ -20,7 +20,11 @@ Rows (leave-running unless said):
                   copy left running, the image still whole
   restore         the same image restored as it is: the trainer goes on and finishes
 
-Usage: faults.py OUT_DIR [STEPS]
+Usage: faults.py OUT_DIR [STEPS] [--take-point]
+
+With --take-point the faulted trainer runs the take-point hook, so every row's snapshot holds it at
+a step boundary first and, by default, moves its tensors' bytes to host memory for the hold
+(SNAPGUARD_TAKE_OFFLOAD): each failure must then also bring them back onto the GPU.
 """
 
 from __future__ import annotations
@@ -118,7 +122,8 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
     row: dict[str, Any] = {"row": name}
     try:
         result = run()
-        row.update(outcome="ok", result={k: result.get(k) for k in ("pid", "image_bytes", "timings", "counts")})
+        row.update(outcome="ok", result={k: result.get(k)
+                                         for k in ("pid", "image_bytes", "timings", "counts", "take_point")})
     except SnapguardError as e:
         f = e.failure
         row.update(outcome="refused", reason=f.reason.name, detail=f.detail, workload_intact=f.workload_intact,
@@ -133,16 +138,18 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
+    args = [a for a in sys.argv[1:] if a != "--take-point"]
+    hooked = len(args) < len(sys.argv) - 1
+    out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)  # written last, after minutes of rows: make sure it can be
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    steps = int(args[1]) if len(args) > 1 else 200
     base = Path(tempfile.mkdtemp(prefix="faults-", dir="/tmp"))  # 0700, fresh on a machine kept warm
     config = load()
     ref = Trainer(base, "reference", steps)
     ref.start()
     ref_result = ref.wait_done()
-    run = Trainer(base, "faulted", steps)
-    pid = run.start()
+    run = Trainer(base, "faulted", steps, trimmed=hooked)
+    pid = run.start(os.path.join(config.state_dir, "take") if hooked else None)
     driver = cuda.load()
     rows = []
 

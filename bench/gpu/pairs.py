@@ -18,6 +18,7 @@ from pathlib import Path
 
 COSTS = {  # column: where it is in the arm's record
     "stall": ("leave_running", "stall_s"),
+    "take": ("leave_running", "checkpoint_timings", "take_s"),
     "cuda_suspend": ("leave_running", "checkpoint_timings", "cuda_suspend_s"),
     "criu_dump": ("leave_running", "checkpoint_timings", "dump_s"),
     "cuda_resume": ("leave_running", "checkpoint_timings", "cuda_resume_s"),
@@ -25,7 +26,9 @@ COSTS = {  # column: where it is in the arm's record
     "stop_to_image": ("stop_warm", "stop_to_image_s"),
     "restore_warm": ("stop_warm", "restore_to_first_new_step_s"),
     "restore_cold": ("stop_cold", "restore_to_first_new_step_s"),
+    "image_gb": ("stop_warm", "image_bytes"),
 }
+SCALE = {"image_gb": 1e-9}  # bytes to GB; every other column is seconds
 
 
 def _dig(record: dict, path: tuple[str, ...]) -> float:
@@ -57,7 +60,7 @@ def main() -> int:
                 print(f"pairs.py: {f} is named {way!r} but its broker answered {answered} runs", file=sys.stderr)
                 return 1
         runs.append({"run": name, "pair": name.rsplit("-", 1)[0], "switch": way,
-                     **{c: _dig(arm, p) for c, p in COSTS.items()}})
+                     **{c: _dig(arm, p) * SCALE.get(c, 1.0) for c, p in COSTS.items()}})
     if {r["switch"] for r in runs} != set(labels):
         print(f"pairs.py: no runs of both ways (NAME-{first}.json, NAME-{second}.json) in {d}", file=sys.stderr)
         return 1

@@ -74,6 +74,8 @@ FIXED_S = 20.0
 # the take point's opt-in (snapguard/hooks/_workload.py): the stepped optimizer's gradients dropped at
 # the hold; set in this script's environment, every snapguard-arm trainer inherits it
 DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
+# the take point's move of the tensors' bytes to host memory for the hold: on unless set to 0 here
+OFFLOAD = os.environ.get("SNAPGUARD_TAKE_OFFLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def say(msg: str) -> None:
@@ -725,7 +727,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "versions": versions(config),
         "workdir": str(base), "budget_s": args.budget_s, "at": args.at, "gap": args.gap, "arms": arms,
-        "trainer_args": args.trainer_args, "take_drop_grads": DROP_GRADS, "ceilings_gb_s": CEILINGS_GB_S,
+        "trainer_args": args.trainer_args, "take_drop_grads": DROP_GRADS, "take_offload": OFFLOAD, "ceilings_gb_s": CEILINGS_GB_S,
         "sizes": [],
         "notes": ["stall: longest gap between step timestamps spanning the snapshot (or save), less the median step",
                   "restore: restore call -> first new step logged; torch.save resume: process launch -> first step",
