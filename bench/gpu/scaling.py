@@ -383,8 +383,11 @@ class Bench:
 
         def restore(img: Path) -> dict[str, Any]:
             rs = restore_images(str(img), config)
+            # the log's end: a cold restore's CRIU ran 1.0-1.2 s past its last line on the H200 (run
+            # 10b), and the image directory with the log is removed after each phase
             return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"],
-                    "restore_counts": rs.get("counts", {})}
+                    "restore_counts": rs.get("counts", {}),
+                    "restore_log_tail": _read(img / "restore.log").splitlines()[-40:]}
 
         return self.snapshots(run, pid, label, "snapguard", {}, dump, restore)
 
