@@ -605,6 +605,14 @@ def _offload_on() -> bool:
     return os.environ.get("SNAPGUARD_TAKE_OFFLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _offload_device() -> str:
+    """The device whose tensors move: "cuda". SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu moves a CPU
+    trainer's optimizer tensors instead, which gains nothing (they are host memory already) but runs
+    the same copy, mapping, snapshot and reload where there is no GPU: the test suite's way to check
+    them through CRIU."""
+    return "cpu" if os.environ.get("SNAPGUARD_TAKE_OFFLOAD_DEVICE", "").strip().lower() == "cpu" else "cuda"
+
+
 def _drop_grads(optimizer: Any) -> int:
     """Set the gradients of the optimizer's parameters to None; the bytes they held."""
     dropped = 0
@@ -695,16 +703,18 @@ class _TakePoint:
         grads_dropped = _drop_grads(optimizer) if _DROP_GRADS else None
         offload: _Offload | None = None
         allocated = 0
+        device = _offload_device()
         if cuda:
             torch.cuda.synchronize()
             allocated = torch.cuda.memory_allocated()
-            if _offload_on():
-                gc.collect()  # what nothing refers to any more is freed, not moved
-                offload = _Offload("cuda")
-                # what is not moved by then stays for the driver's checkpoint: the executor's wait
-                # (which the step before the hold already used part of) also covers the trim below
-                offload.take(torch, _optimizer_tensors(torch, optimizer), gc.get_objects(),
-                             deadline=self.armed_at + 0.7 * self.wait_s)
+        if _offload_on() and (cuda or device == "cpu"):
+            gc.collect()  # what nothing refers to any more is freed, not moved
+            offload = _Offload(device)
+            # what is not moved by then stays for the driver's checkpoint: the executor's wait
+            # (which the step before the hold already used part of) also covers the trim below
+            offload.take(torch, _optimizer_tensors(torch, optimizer), gc.get_objects(),
+                         deadline=self.armed_at + 0.7 * self.wait_s)
+        if cuda:
             torch.cuda.empty_cache()
             host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
             if host_empty is not None:

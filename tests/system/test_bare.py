@@ -127,6 +127,82 @@ while True:
 """
 
 
+MOVED_TRAINER = """
+import hashlib, sys, time, torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+x = torch.randn(16, 64)
+i = 0
+while True:
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()  # the take point holds the trainer here
+    i += 1
+    # a copy's bytes: .numpy() on a parameter itself would make its storage not resizable
+    digest = hashlib.sha256(b"".join(p.detach().clone().numpy().tobytes() for p in model.parameters())).digest()
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{i} {int.from_bytes(digest[:6], 'big')}\\n")
+    time.sleep(0.01)
+"""
+
+
+def _moved_trainer_reference(steps: int) -> dict[int, int]:
+    """MOVED_TRAINER's lines, computed here without any snapshot."""
+    import hashlib
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        x = torch.randn(16, 64)
+        out = {}
+        for i in range(1, steps + 1):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            digest = hashlib.sha256(b"".join(p.detach().clone().numpy().tobytes()
+                                             for p in model.parameters())).digest()
+            out[i] = int.from_bytes(digest[:6], "big")
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The take point's move of the optimizer's tensors (on the GPU: off the device), run on CPU
+    tensors (SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu): emptied at the hold, kept in the huge-page mapping
+    through a leave-running snapshot and through a stop snapshot, CRIU's restore and the release,
+    and back each time: the trainer's weights follow the uninterrupted run's, step for step."""
+    pytest.importorskip("torch")
+    from snapguard_lab.targets import BareTarget
+
+    monkeypatch.setenv("SNAPGUARD_TAKE_OFFLOAD_DEVICE", "cpu")
+    with BareTarget(tmp_path / "moved", script=MOVED_TRAINER, hook=True) as t:
+        t.start(lines=3)
+        for name, leave_running in (("lr", True), ("stop", False)):
+            images = tmp_path / f"{name}-img"
+            out = t.checkpoint(images, images, leave_running=leave_running)
+            assert out.returncode == 0, out.stderr
+            (figures,) = image.verify(str(images))["take_point"].values()
+            offload = figures["offload"]
+            # 4 parameters, their 4 gradients, AdamW's 3 state tensors each
+            assert offload["state"] == "moved" and offload["storages"] == 20, offload
+            if not leave_running:
+                out = t.restore(images, images)
+                assert out.returncode == 0, out.stderr
+            assert t.advancing(), f"the trainer does not step after the {name} snapshot"
+        values = t.values()
+    expected = _moved_trainer_reference(max(i for i, _ in values))
+    assert [h for _, h in values] == [expected[i] for i, _ in values]
+
+
 def test_held_workload_is_verified_while_criu_restores_it_and_never_released_corrupt(tmp_path: Path) -> None:
     """A workload held at its take point when dumped waits there after the restore: its image is
     hashed while CRIU reads it (no checksum pass before CRIU), and a digest that differs ends the
