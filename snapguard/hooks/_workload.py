@@ -385,12 +385,14 @@ class _Offload:
         graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
         return (graph,) if isinstance(graph, type) else ()
 
-    def _storage(self, tensor: Any) -> Any:
-        """The tensor's storage when it is on this device and holds bytes, else None."""
+    def _storage(self, tensor: Any) -> tuple[Any, tuple[int, int]] | None:
+        """The tensor's storage and the range of its memory when it is on this device and holds
+        bytes, else None: sparse tensors have no storage, and a wrapper subclass's (DTensor's,
+        torchao's) has a size but no memory, whose address raises."""
         try:
-            storage = tensor.untyped_storage()  # sparse tensors and wrapper subclasses have none
+            storage = tensor.untyped_storage()
             if storage.device.type == self.device_type and storage.nbytes() > 0:
-                return storage
+                return storage, (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
         except Exception:
             pass
         return None
@@ -407,22 +409,30 @@ class _Offload:
             if graphs and issubclass(kind, graphs):
                 return [], 0, "a CUDA graph exists (it replays kernels at fixed addresses)"
             if issubclass(kind, torch.Tensor):
-                storage = self._storage(o)
-                if storage is not None:
-                    others[storage._cdata] = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+                found_here = self._storage(o)
+                if found_here is not None:
+                    others[found_here[0]._cdata] = found_here[1]
         if self.device_type == "cuda":
             try:
-                pools = {tuple(seg.get("segment_pool_id") or (0, 0)) for seg in torch.cuda.memory_snapshot()}
+                # a pool whose graph or MemPool is gone keeps its segments until the cache is emptied:
+                # emptied first, what is left in a private pool belongs to a live one
+                torch.cuda.empty_cache()
+                try:
+                    segments = torch.cuda.memory_snapshot(include_traces=False)  # no stack traces to build
+                except TypeError:  # an older PyTorch: no such parameter
+                    segments = torch.cuda.memory_snapshot()
+                pools = {tuple(seg.get("segment_pool_id") or (0, 0)) for seg in segments}
             except Exception as e:
                 return [], 0, f"the allocator's segments cannot be read: {type(e).__name__}: {e}"
             if pools - {(0, 0)}:
                 return [], 0, "device memory in a private pool (CUDA graphs or a torch.cuda.MemPool)"
         found: dict[int, Any] = {}
         for t in tensors:
-            storage = self._storage(t)
-            if storage is not None:
+            found_here = self._storage(t)
+            if found_here is not None:
+                storage, memory = found_here
                 found.setdefault(storage._cdata, storage)
-                others.setdefault(storage._cdata, (storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+                others.setdefault(storage._cdata, memory)
         # a sweep over the ranges by start: each range still open where another starts shares memory
         aliased: set[int] = set()
         open_ranges: list[tuple[int, int]] = []  # a heap of (end, key)
@@ -524,17 +534,21 @@ class _Offload:
 
 
 def _optimizer_tensors(torch: Any, optimizer: Any) -> list[Any]:
-    """The optimizer's parameters, their gradients and its state's tensors."""
+    """The optimizer's parameters, their gradients and its state's tensors (a DTensor's local
+    shard: the wrapper itself has no memory); none when the optimizer is not shaped as torch's are."""
     out: list[Any] = []
-    for group in getattr(optimizer, "param_groups", None) or []:
-        for p in group.get("params", []):
-            out.append(p)
-            if getattr(p, "grad", None) is not None:
-                out.append(p.grad)
-    for state in (getattr(optimizer, "state", None) or {}).values():
-        if isinstance(state, dict):
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
+    try:
+        for group in getattr(optimizer, "param_groups", None) or []:
+            for p in group.get("params", []):
+                out.append(p)
+                if getattr(p, "grad", None) is not None:
+                    out.append(p.grad)
+        for state in (getattr(optimizer, "state", None) or {}).values():
+            if isinstance(state, dict):
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    except Exception:  # a hook never stops the trainer: nothing moves
+        return []
+    return [getattr(t, "_local_tensor", None) if getattr(t, "_local_tensor", None) is not None else t for t in out]
 
 
 _ALIGN = 4096  # each storage's bytes start on a page of the arena

@@ -264,3 +264,40 @@ def test_host_room_is_the_cgroups_when_that_is_less(tmp_path) -> None:  # type: 
     assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) == 2000000
     (group / "memory.max").write_text("max\n")
     assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) > 2000000  # MemAvailable alone
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass shaped like DTensor: its own storage has a size but no memory; the bytes
+    are in `_local_tensor`."""
+
+    @staticmethod
+    def __new__(cls, inner):  # type: ignore[no-untyped-def]
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        wrapper._local_tensor = inner
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError(f"{func} on a test wrapper")
+
+
+def test_wrapper_subclasses_neither_stop_the_move_nor_hide_their_bytes() -> None:
+    inner, other = torch.arange(64.0), torch.arange(16.0)
+    wrapped = _Wrapper(inner)
+    figures = _Offload("cpu").take(torch, [other], [wrapped, _Wrapper(torch.arange(4.0))])
+    assert figures["state"] == "moved" and figures["storages"] == 1, figures  # not skipped
+
+    class _Opt:
+        param_groups = [{"params": [wrapped]}]
+        state: dict = {}
+
+    moved = _optimizer_tensors(torch, _Opt())
+    assert len(moved) == 1 and moved[0] is inner  # the local shard, not the wrapper
+
+
+def test_an_optimizer_not_shaped_as_torchs_moves_nothing_and_raises_nothing() -> None:
+    class _Odd:
+        param_groups = ["not a dict"]
+
+    assert _optimizer_tensors(torch, _Odd()) == []
+    assert _optimizer_tensors(torch, None) == []
