@@ -42,26 +42,26 @@ class _Steps:
 
     @contextmanager
     def step(self, name: str, reason: Reason, **evidence: Any) -> Iterator[None]:
-        t = time.monotonic()
-        try:
-            yield
-        except UntrustedPathError as e:
-            if e.unusable:  # missing, not a directory, name too long: not a matter of who controls it
-                raise SnapguardError(reason, f"{name}: {e}",
-                                     evidence={**evidence, "step": name, "path": e.path}) from None
-            raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={**evidence, "path": e.path}) from None
-        except (OSError, ValueError) as e:
-            detail = f"{e.strerror or e}: {e.filename}" if isinstance(e, OSError) and e.filename else \
-                (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
-            raise SnapguardError(reason, f"{name}: {detail}", evidence={**evidence, "step": name}) from None
-        finally:
-            self.timings[f"{name}_s"] = self.timings.get(f"{name}_s", 0.0) + time.monotonic() - t
+        """A step: timed, and any OS error inside it typed with `reason`."""
+        with self.timed(name):
+            try:
+                yield
+            except UntrustedPathError as e:
+                if e.unusable:  # missing, not a directory, name too long: not a matter of who controls it
+                    raise SnapguardError(reason, f"{name}: {e}",
+                                         evidence={**evidence, "step": name, "path": e.path}) from None
+                raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={**evidence, "path": e.path}) from None
+            except (OSError, ValueError) as e:
+                detail = f"{e.strerror or e}: {e.filename}" if isinstance(e, OSError) and e.filename else \
+                    (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+                raise SnapguardError(reason, f"{name}: {detail}", evidence={**evidence, "step": name}) from None
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        """A part of a step, timed on its own: `criu_s`, the runner's CRIU (or runc) run within
-        `dump_s` or `restore_s`, whose rest is the run directory and the broker; CRIU's own log
-        marks then split `criu_s` into CRIU's work and its start and exit."""
+        """Time what runs inside under `<name>_s` (added to it if it ran before). Also a part of a
+        step on its own: `criu_s`, the runner's CRIU (or runc) run within `dump_s` or `restore_s`,
+        whose rest is the run directory and the broker; CRIU's own log marks then split `criu_s`
+        into CRIU's work and its start and exit."""
         t = time.monotonic()
         try:
             yield
