@@ -60,7 +60,16 @@ _HOLD_S = float(os.environ.get("SNAPGUARD_TAKE_HOLD_S", "300"))
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 _ASYNC_COMPILE = "torch._inductor.async_compile"
 _IDLE_STEPS = int(os.environ.get("SNAPGUARD_COMPILE_IDLE_STEPS", "5"))
-_DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off switch from the trainer's environment: a switch on by default is off only for
+    0/false/no/off, one off by default is on only for 1/true/yes/on."""
+    value = os.environ.get(name, "").strip().lower()
+    return value not in ("0", "false", "no", "off") if default else value in ("1", "true", "yes", "on")
+
+
+_DROP_GRADS = _env_switch("SNAPGUARD_TAKE_DROP_GRADS", False)
 _RELOAD_PATIENCE_S = 60.0  # how long the release waits for device memory another process took
 _POOL_SHUTDOWN_S = 120.0  # the longest a take waits for the pool to go (5.2 s seen on the H200)
 
@@ -69,7 +78,7 @@ def resolving() -> bool:
     """Whether the hook resolves the blockers (the default); SNAPGUARD_RESOLVE_BLOCKERS=0 turns it off."""
     from . import RESOLVE_ENV
 
-    return os.environ.get(RESOLVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_switch(RESOLVE_ENV, True)
 
 
 # --- forked children: drop the GPU handles they inherited --------------------------------------
@@ -398,7 +407,7 @@ class _Offload:
         return None
 
     def _candidates(self, torch: Any, tensors: list[Any],
-                    objects: list[Any]) -> tuple[list[Any], int, str | None]:
+                    objects: Sequence[Any]) -> tuple[list[Any], int, str | None]:
         """The distinct storages of `tensors` that may move, the bytes of those that must stay (not
         the allocator's, or their memory aliased by another storage among `objects`' tensors), or
         why nothing may move."""
@@ -461,7 +470,7 @@ class _Offload:
         fails on (what moved before it comes back with the reload). Never raises."""
         t0 = time.monotonic()
         try:
-            movable, kept, blocker = self._candidates(torch, tensors, list(objects))
+            movable, kept, blocker = self._candidates(torch, tensors, objects)
         except Exception as e:
             blocker = f"{type(e).__name__}: {e}"[:300]
         if blocker is not None:
@@ -548,7 +557,7 @@ def _optimizer_tensors(torch: Any, optimizer: Any) -> list[Any]:
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
     except Exception:  # a hook never stops the trainer: nothing moves
         return []
-    return [getattr(t, "_local_tensor", None) if getattr(t, "_local_tensor", None) is not None else t for t in out]
+    return [local if (local := getattr(t, "_local_tensor", None)) is not None else t for t in out]
 
 
 _ALIGN = 4096  # each storage's bytes start on a page of the arena
@@ -616,7 +625,7 @@ class _Arena:
 
 
 def _offload_on() -> bool:
-    return os.environ.get("SNAPGUARD_TAKE_OFFLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_switch("SNAPGUARD_TAKE_OFFLOAD", True)
 
 
 def _offload_device() -> str:
@@ -721,8 +730,11 @@ class _TakePoint:
         if cuda:
             torch.cuda.synchronize()
             allocated = torch.cuda.memory_allocated()
+        # Every resident anonymous page is written into the image, and what nothing refers to any
+        # more is neither to be moved nor kept: collected once, before the move and the cache's
+        # emptying (which then returns its device memory too), and the freed heap given back below.
+        gc.collect()
         if _offload_on() and (cuda or device == "cpu"):
-            gc.collect()  # what nothing refers to any more is freed, not moved
             offload = _Offload(device)
             # what is not moved by then stays for the driver's checkpoint: the executor's wait
             # (which the step before the hold already used part of) also covers the trim below
@@ -733,8 +745,6 @@ class _TakePoint:
             host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
             if host_empty is not None:
                 host_empty()
-        # Every resident anonymous page is written into the image: give freed heap back first.
-        gc.collect()
         _malloc_trim()
         self.figures = {
             "pid": os.getpid(),
