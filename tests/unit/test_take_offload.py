@@ -114,7 +114,9 @@ def test_a_copy_that_fails_changes_nothing_and_says_why() -> None:
     assert offload.moved == [] and torch.equal(mine, torch.arange(8.0))
 
 
-def test_a_copy_that_fails_part_way_leaves_what_moved_for_the_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_that_fails_part_way_leaves_every_storage_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No storage is emptied before every copy is done: a failure part way, whether where the
+    copies start or in a thread copying into the arena, leaves all of them as they were."""
     from snapguard.hooks import _workload
 
     first, second, third = torch.arange(64.0), torch.arange(32.0), torch.arange(16.0)
@@ -129,12 +131,48 @@ def test_a_copy_that_fails_part_way_leaves_what_moved_for_the_reload(monkeypatch
     monkeypatch.setattr(_workload, "_as_bytes", failing_second)
     offload = _Offload("cpu")
     figures = offload.take(torch, [third, first, second])
-    assert figures["state"] == "partial" and "injected" in figures["error"], figures
-    assert figures["bytes"] == 64 * 4 and figures["left_bytes"] == 32 * 4 + 16 * 4
-    assert first.untyped_storage().nbytes() == 0 and torch.equal(second, torch.arange(32.0))
+    assert figures["state"] == "failed" and "injected" in figures["error"], figures
+    assert figures["bytes"] == 0 and figures["left_bytes"] == (64 + 32 + 16) * 4, figures
+    assert offload.moved == [] and offload.arena is None
+    assert torch.equal(first, torch.arange(64.0)) and torch.equal(second, torch.arange(32.0))
     monkeypatch.setattr(_workload, "_as_bytes", real)
+
+    real_drain, drains = _workload._Ring._drain, []
+
+    def failing_third_drain(self, *args):  # type: ignore[no-untyped-def]
+        drains.append(1)
+        if len(drains) == 3:
+            raise OSError("injected: the host copy fails")
+        return real_drain(self, *args)
+
+    monkeypatch.setattr(_workload._Ring, "_drain", failing_third_drain)
+    figures = offload.take(torch, [third, first, second])
+    assert figures["state"] == "failed" and "injected" in figures["error"], figures
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in (first, second, third))
+    assert torch.equal(third, torch.arange(16.0))
+
+
+def test_storages_larger_than_a_slot_go_through_the_ring_in_pieces_and_come_back_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies pass through `_Ring`'s few slots: storages many slots long, and ones that end part
+    way into a slot, wrap around the ring out and back and keep every byte."""
+    from snapguard.hooks import _workload
+
+    monkeypatch.setattr(_workload._Ring, "SLOT_BYTES", 4096)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.rand(n, generator=gen) for n in (40_000, 1024, 5_000, 3, 17_000)]  # 160 KB .. 12 B
+    before = [t.clone() for t in tensors]
+    offload = _Offload("cpu")
+    figures = offload.take(torch, tensors)
+    assert figures["state"] == "moved" and figures["storages"] == len(tensors), figures
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    arena = offload.arena
+    assert arena is not None
+    for storage, offset, n in offload.moved:  # the arena holds each one's bytes at its offset
+        match = [b for b in before if b.numel() * 4 == n]
+        assert torch.equal(arena.view(offset, n).view(torch.float32), match[0])
     offload.reload(torch)
-    assert torch.equal(first, torch.arange(64.0))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
 
 
 def test_the_reload_waits_for_memory_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
