@@ -382,12 +382,24 @@ class Bench:
             return _sg_dump(checkpoint_pid(target, str(img), config, leave_running=leave_running, take_wait_s=10.0))
 
         def restore(img: Path) -> dict[str, Any]:
+            t0 = time.time()
             rs = restore_images(str(img), config)
-            # the log's end: a cold restore's CRIU ran 1.0-1.2 s past its last line on the H200 (run
-            # 10b), and the image directory with the log is removed after each phase
+            t1 = time.time()
+            # the log: a cold restore's CRIU ran 1.0-1.3 s past its last line on the H200 (runs 10b,
+            # 11a). When its last line was written (the file's mtime), less that line's time since
+            # CRIU's start, is when CRIU started logging: so the log says whether the time goes
+            # before its first line (exec, loading its libraries) or after its last (exit)
+            log = img / "restore.log"
+            lines = _read(log).splitlines()
+            try:
+                last_rel = float(lines[-1].split(")", 1)[0].strip("( "))
+                mtime = log.stat().st_mtime
+                edges = {"call_to_log_start_s": mtime - last_rel - t0, "log_end_to_return_s": t1 - mtime}
+            except (IndexError, ValueError, OSError):
+                edges = {}
             return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"],
-                    "restore_counts": rs.get("counts", {}),
-                    "restore_log_tail": _read(img / "restore.log").splitlines()[-40:]}
+                    "restore_counts": rs.get("counts", {}), "restore_log_edges": edges,
+                    "restore_log_head": lines[:12], "restore_log_tail": lines[-40:]}
 
         return self.snapshots(run, pid, label, "snapguard", {}, dump, restore)
 
