@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -379,7 +380,23 @@ class Bench:
         pid = run.start(os.path.join(config.state_dir, "take"))
 
         def dump(target: int, img: Path, leave_running: bool) -> dict[str, Any]:
-            return _sg_dump(checkpoint_pid(target, str(img), config, leave_running=leave_running, take_wait_s=10.0))
+            before, samples, stop = vm_counters(), [], threading.Event()
+
+            def sample() -> None:  # dirty and writeback pages through the dump, every half second
+                t0 = time.monotonic()
+                while not stop.wait(0.5):
+                    c = vm_counters()
+                    samples.append((round(time.monotonic() - t0, 1), c.get("nr_dirty"), c.get("nr_writeback")))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            try:
+                out = _sg_dump(checkpoint_pid(target, str(img), config, leave_running=leave_running,
+                                              take_wait_s=10.0))
+            finally:
+                stop.set()
+                sampler.join()
+            return {**out, "vm": {**vm_delta(before, vm_counters()), "dirty_writeback_samples": samples}}
 
         def restore(img: Path) -> dict[str, Any]:
             t0 = time.time()
@@ -516,6 +533,29 @@ class Bench:
                     self.finish(r)
             path.unlink(missing_ok=True)
             shutil.rmtree(dcp_dir, ignore_errors=True)
+
+
+VM_COUNTERS = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages",
+               "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "compact_stall",
+               "thp_fault_alloc", "thp_split_page", "allocstall_normal", "allocstall_movable", "pgmajfault")
+
+
+def vm_counters() -> dict[str, int]:
+    """The kernel's memory counters (/proc/vmstat, in pages or events) a large dump may be slowed by:
+    the dirty page limits and writeback, reclaim and compaction, huge pages split."""
+    out: dict[str, int] = {}
+    for line in _read(Path("/proc/vmstat")).splitlines():
+        key, _, value = line.partition(" ")
+        if key in VM_COUNTERS and value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def vm_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """Levels before and after (dirty, writeback, thresholds, free) and the events' counts between."""
+    levels = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages")
+    return {**{f"{k}_before": before.get(k) for k in levels}, **{f"{k}_after": after.get(k) for k in levels},
+            **{k: after[k] - before[k] for k in VM_COUNTERS if k not in levels and k in before and k in after}}
 
 
 def _read(path: Path) -> str:
