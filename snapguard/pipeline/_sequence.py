@@ -17,7 +17,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -291,37 +291,22 @@ def _held(manifest: dict[str, Any]) -> bool:
 
 class _Digests:
     """The image's checksums: checked before CRIU, or, for a held workload, in a thread while
-    CRIU restores it, the result awaited before anything releases the restored workload.
-
-    The thread waits for CRIU to start first (its log written), up to STARTUP_S: on a cold page
-    cache its 64 MiB reads from every core fill the disk's queue, and CRIU's loader, reading its
-    libraries a page at a time behind them, took 0.7-2.2 s to reach its first log line instead of
-    0.02 s (H200, run 11b)."""
-
-    STARTUP_S = 2.0
+    CRIU restores it, the result awaited before anything releases the restored workload."""
 
     def __init__(self, inspected: image.Inspected, held: bool) -> None:
         self.inspected, self.held = inspected, held
         self._error: SnapguardError | None = None
         self._thread: threading.Thread | None = None
-        self._go = threading.Event()
 
     def check(self) -> None:
         self.inspected.check_digests()
 
-    def start(self, started: Callable[[], bool] = lambda: True) -> None:
-        """In a thread, once `started()` (CRIU is up) or STARTUP_S has passed; at once if not held."""
+    def start(self) -> None:
         if self.held:
-            self._thread = threading.Thread(target=self._run, args=(started,), name="verify", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="verify", daemon=True)
             self._thread.start()
 
-    def _run(self, started: Callable[[], bool]) -> None:
-        give_up = time.monotonic() + self.STARTUP_S
-        try:
-            while not self._go.is_set() and time.monotonic() < give_up and not started():
-                self._go.wait(0.01)
-        except OSError:
-            pass
+    def _run(self) -> None:
         try:
             self.inspected.check_digests()
         except SnapguardError as e:
@@ -331,24 +316,9 @@ class _Digests:
                                          evidence={"image": self.inspected.image_dir})
 
     def result(self) -> SnapguardError | None:
-        self._go.set()  # CRIU is done: no more waiting for it to start
         if self._thread is not None:
             self._thread.join()
         return self._error
-
-
-def _written_since(path: str) -> Callable[[], bool]:
-    """Whether `path` has been written (created, truncated or grown) since this call: CRIU's log
-    once CRIU is running. Only its status is read (not followed if a link)."""
-    def state() -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
-
-    before = state()
-    return lambda: (now := state()) is not None and now != before and now[2] > 0
 
 
 def _pid_conflicts(manifest: dict[str, Any], grace_s: float = 5.0) -> list[Finding]:
@@ -515,7 +485,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
     with _claimed(config, [], req.image_dir):
         with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
             files.ensure_private_dir(req.work_dir)
-        digests.start(_written_since(log))  # a held workload's image is hashed while CRIU reads it
+        digests.start()  # a held workload's image is hashed while CRIU reads it
         try:
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \
                     criu.RunDir(config.state_dir, config.criu, resolve_cuda_checkpoint(config)) as run_dir, \
