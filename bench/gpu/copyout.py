@@ -12,6 +12,9 @@ Ways, out (device -> the mapping) and back (the mapping -> device):
   populate   as register, but the pages faulted first by MADV_POPULATE_WRITE from 8 threads.
   staging    a ring of 4 pinned 64 MiB buffers: the GPU copies into one while CPU threads copy the
              one before into the mapping (and the reverse back).
+  take       as staging, the way the take point does it: the CPU threads copy by memmove (ctypes;
+             Tensor.copy_ starts an OpenMP team in each thread) and the device copies run on the
+             current stream (no stream pool created).
 The table gives seconds and GB/s per way and direction, the first and the best of --repeat runs.
 Page cache plays no part (anonymous memory only)."""
 
@@ -137,14 +140,14 @@ def _pieces(ts, offsets):
             yield b[lo:lo + SLOT], o + lo
 
 
-def _staging(direction: str):
+def _staging(direction: str, memmove: bool = False, side_stream: bool = True):
     def run(ts, offsets, m: Mapping, marks: dict) -> None:
         t0 = time.monotonic()
         ring = Mapping(SLOT * SLOTS)
         ring.populate(SLOTS)
         ring.register()
         slots = [ring.bytes[i * SLOT:(i + 1) * SLOT] for i in range(SLOTS)]
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
         events = [torch.cuda.Event() for _ in range(SLOTS)]
         busy: list = [None] * SLOTS
         t1 = time.monotonic()
@@ -160,7 +163,10 @@ def _staging(direction: str):
 
                     def drain(k=k, n=n, off=off):
                         events[k].synchronize()
-                        m.bytes[off:off + n].copy_(slots[k][:n])
+                        if memmove:
+                            ctypes.memmove(m.ptr + off, slots[k].data_ptr(), n)
+                        else:
+                            m.bytes[off:off + n].copy_(slots[k][:n])
                     busy[k] = pool.submit(drain)
                 else:
                     events[k].synchronize()  # the GPU is done reading this slot's last piece
@@ -184,6 +190,7 @@ WAYS = {
     "register": (_registered("out", False), _registered("back", False)),
     "populate": (_registered("out", True), _registered("back", False)),
     "staging": (_staging("out"), _staging("back")),
+    "take": (_staging("out", memmove=True, side_stream=False), _staging("back", side_stream=False)),
 }
 
 

@@ -651,6 +651,12 @@ class _Arena:
             pass
 
 
+def _memmove(dst: int, src: int, n: int) -> None:
+    import ctypes
+
+    ctypes.memmove(dst, src, n)  # a foreign call: the GIL is released while it copies
+
+
 class _Ring:
     """The few pinned host buffers every copy of the move passes through, out and back.
 
@@ -658,8 +664,10 @@ class _Ring:
     driver stages it through pinned buffers of its own, one piece at a time); pinning the whole
     arena first (cudaHostRegister) costs about as much as it saves, the faulting and pinning of
     every page. Through a ring of SLOTS pinned buffers of SLOT_BYTES, the device copies into one
-    (on a stream of its own) while CPU threads copy the ones before it into the arena: 19.2 GB out
-    in 0.98 s against 5.6-7.0 s, back in 0.72 s against 2.3 s (bench/gpu/copyout.py, run 11a).
+    while SLOTS threads copy the ones before it into the arena (memmove): 19.2 GB out in 2.6 s
+    against 5.6-7.0 s pageable, back in 0.8 s against 2.3 s (bench/gpu/copyout.py, runs 11a and
+    11e, way "take"). Tensor.copy_ in those threads copied out at 17-19 GB/s, but left an OpenMP
+    team per thread in the trainer; with a stream of our own as well, the image was 0.08 GB larger.
     The ring is unpinned and unmapped by close(), before the driver's checkpoint sees the process.
     On the CPU (the test suite's device) the same pieces go through the same slots, synchronously."""
 
@@ -679,7 +687,7 @@ class _Ring:
         self.slots = [self.map.view(k * self.SLOT_BYTES, self.SLOT_BYTES) for k in range(self.SLOTS)]
         self.done: list[Any] = [None] * self.SLOTS  # per slot: the event after its last device copy
         self.draining: list[Any] = [None] * self.SLOTS  # per slot: the future of its copy into the arena
-        self.streams: dict[Any, Any] = {}
+        self.used: set[Any] = set()  # the devices whose streams have copies of ours
         self.turn = 0
 
     def _pin(self, on: bool) -> bool:
@@ -711,25 +719,26 @@ class _Ring:
         return k
 
     def _to_slot_and_mark(self, k: int, dst: Any, src: Any, device: Any) -> None:
-        """dst.copy_(src) on the device's copy stream, which waits for its current stream's work."""
+        """dst.copy_(src) without waiting, on the device's current stream (no stream of our own:
+        PyTorch's first one creates its pool of streams, kept by the driver's checkpoint after),
+        and the slot's event after it."""
         if not self.cuda:
             dst.copy_(src)
             return
         torch = self.torch
-        stream = self.streams.get(device)
-        if stream is None:
-            stream = self.streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+        stream = torch.cuda.current_stream(device)
+        self.used.add(device)
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
         self.done[k] = event
 
     def _drain(self, event: Any, k: int, host: Any) -> None:
         if event is not None:
             event.synchronize()
-        host.copy_(self.slots[k][:host.numel()])
+        # a plain memcpy, not Tensor.copy_: PyTorch would start an OpenMP team (a thread per core)
+        # for each of these threads, which would stay in the trainer, and in every image, for good
+        _memmove(host.data_ptr(), self.slots[k].data_ptr(), host.numel())
 
     def out(self, device_bytes: Any, host: Any) -> None:
         """Start copying a uint8 tensor on the device into `host` (uint8, as long)."""
@@ -760,9 +769,9 @@ class _Ring:
                 self._slot()
             except Exception:
                 pass  # the caller has its error already
-        for stream in self.streams.values():
+        for device in self.used:
             try:
-                stream.synchronize()
+                self.torch.cuda.current_stream(device).synchronize()
             except Exception:
                 pass
         if self.pinned:
