@@ -466,9 +466,9 @@ class _Offload:
         of what the process holds (gc.get_objects()), to find graphs and aliases. What does not fit
         in `room` bytes (default: 80% of the host memory this process may still take), or would not
         be copied by `deadline` (time.monotonic(), at the rate so far: the executor's wait for the
-        take is not outrun), stays on the device ("partial"). The copies go through `_Ring`; no
-        storage is emptied before every copy is done, so a copy that fails leaves them all in place
-        ("failed"). Never raises."""
+        take is not outrun), stays on the device ("partial"). The copies go through `_Ring` (whose
+        pinned buffers count against `room`); no storage is emptied before every copy is done, so a
+        copy that fails leaves them all in place ("failed"). Never raises."""
         t0 = time.monotonic()
         try:
             movable, kept, blocker = self._candidates(torch, tensors, objects)
@@ -480,7 +480,7 @@ class _Offload:
         movable.sort(key=lambda st: st.nbytes(), reverse=True)
         # host memory the copies may take: a trainer the kernel or its cgroup would kill for it is
         # worse off than one whose bytes the driver copies (which fails with an error when short)
-        room = int(_host_room() * 0.8) if room is None else room
+        room = int(_host_room() * 0.8) - _Ring.SLOTS * _Ring.SLOT_BYTES if room is None else room
         offsets, total, fits, left = [], 0, [], 0  # left: bytes that stay, here those with no room
         for storage in movable:
             size = -(-storage.nbytes() // _ALIGN) * _ALIGN
@@ -504,7 +504,8 @@ class _Offload:
             rate, copied, t1 = 2e9, 0, time.monotonic()  # bytes/s until the first copies say
             for storage, offset in zip(fits, offsets):
                 n = storage.nbytes()
-                if deadline is not None and time.monotonic() + n / rate > deadline:
+                # what is issued but not yet drained (a ring's worth at most) counts against the deadline too
+                if deadline is not None and time.monotonic() + (n + _Ring.SLOTS * _Ring.SLOT_BYTES) / rate > deadline:
                     continue
                 assert ring is not None
                 ring.out(_as_bytes(torch, storage, n), arena.view(offset, n))
@@ -545,7 +546,8 @@ class _Offload:
         for storage, offset, n in self.moved:  # device memory for all first: a failure copies nothing
             while True:
                 try:
-                    storage.resize_(n)  # a storage that came back before keeps its size: no-op
+                    if storage.nbytes() != n:  # resize_ to its own size would allocate and copy again
+                        storage.resize_(n)
                     break
                 except oom:
                     if time.monotonic() >= give_up:
@@ -554,14 +556,23 @@ class _Offload:
                         torch.cuda.empty_cache()
                     time.sleep(0.5)
         if self.moved:
-            assert self.arena is not None
-            ring = _Ring(torch, self.device_type == "cuda")
+            arena = self.arena
+            assert arena is not None
+            try:
+                ring: _Ring | None = _Ring(torch, self.device_type == "cuda")
+            except Exception:  # no thread or mapping to spare for it: the plain copies, slower
+                ring = None
             try:
                 for storage, offset, n in self.moved:
-                    ring.back(self.arena.view(offset, n), _as_bytes(torch, storage, n))
-                ring.finish()
+                    if ring is None:
+                        _as_bytes(torch, storage, n).copy_(arena.view(offset, n))
+                    else:
+                        ring.back(arena.view(offset, n), _as_bytes(torch, storage, n))
+                if ring is not None:
+                    ring.finish()
             finally:
-                ring.close()
+                if ring is not None:
+                    ring.close()
             self.moved.clear()
         if self.arena is not None:
             self.arena.close()
@@ -645,10 +656,9 @@ class _Arena:
 
     def close(self) -> None:
         self.bytes = None
-        try:
-            self.map.close()
-        except BufferError:  # a view of it still lives somewhere: unmapped when that goes
-            pass
+        # unmapped even while a view of it lives (torch.frombuffer keeps no buffer export): every
+        # copy into or out of it is waited for before this
+        self.map.close()
 
 
 def _memmove(dst: int, src: int, n: int) -> None:
@@ -669,7 +679,8 @@ class _Ring:
     11e, way "take"). Tensor.copy_ in those threads copied out at 17-19 GB/s, but left an OpenMP
     team per thread in the trainer; with a stream of our own as well, the image was 0.08 GB larger.
     The ring is unpinned and unmapped by close(), before the driver's checkpoint sees the process.
-    On the CPU (the test suite's device) the same pieces go through the same slots, synchronously."""
+    On the CPU (the test suite's device) the same pieces go through the same slots and threads; the
+    copy into a slot is then synchronous."""
 
     SLOTS = 4
     SLOT_BYTES = 64 << 20
@@ -678,10 +689,14 @@ class _Ring:
         from concurrent.futures import ThreadPoolExecutor
 
         self.torch, self.cuda = torch, cuda
-        self.pool = ThreadPoolExecutor(self.SLOTS, thread_name_prefix="snapguard-take-copy")
+        self.device = torch.cuda.current_device() if cuda else None
+        # every thread of the pool on the trainer's device: a CUDA call from a thread with none set
+        # (an event's wait) would create a context on device 0 for the rest of the process
+        self.pool = ThreadPoolExecutor(self.SLOTS, thread_name_prefix="snapguard-take-copy",
+                                       **({"initializer": torch.cuda.set_device, "initargs": (self.device,)}
+                                          if cuda else {}))
         self.map = _Arena(torch, self.SLOTS * self.SLOT_BYTES)
         self.pinned = False
-        self.device = torch.cuda.current_device() if cuda else None
         if cuda:
             self.pinned = self.pool.submit(self._pin, True).result()
         self.slots = [self.map.view(k * self.SLOT_BYTES, self.SLOT_BYTES) for k in range(self.SLOTS)]
@@ -697,7 +712,6 @@ class _Ring:
         Unpinned, the copies work all the same, at the pageable rate."""
         try:
             cudart = self.torch.cuda.cudart()
-            self.torch.cuda.set_device(self.device)  # this thread's context: the trainer's, no other
             if on:
                 return int(cudart.cudaHostRegister(self.map.bytes.data_ptr(), self.map.size, 1)) == 0
             return int(cudart.cudaHostUnregister(self.map.bytes.data_ptr())) == 0
@@ -729,7 +743,7 @@ class _Ring:
         stream = torch.cuda.current_stream(device)
         self.used.add(device)
         dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # its waiters sleep, not spin beside the memmoves
         event.record(stream)
         self.done[k] = event
 
@@ -777,7 +791,9 @@ class _Ring:
         if self.pinned:
             self.pinned = not self.pool.submit(self._pin, False).result()
         self.pool.shutdown(wait=True)
-        self.map.close()
+        self.slots = []
+        if not self.pinned:  # still registered with the driver: left mapped rather than unmapped under it
+            self.map.close()
 
 
 def _offload_on() -> bool:

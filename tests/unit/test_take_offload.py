@@ -226,11 +226,11 @@ def test_past_its_deadline_the_rest_stays_and_the_arena_goes_with_the_reload() -
     assert figures["left_bytes"] == 4096 * 4 + 16 * 4 and big.untyped_storage().nbytes() == 4096 * 4
     offload.reload(torch)
 
-    # one that would not be copied by the deadline at the rate assumed (2 GB/s) stays; a smaller
-    # one after it still moves
-    large = torch.empty(64 << 20)  # 256 MiB: 0.13 s at that rate
+    # one that would not be copied by the deadline at the rate assumed (2 GB/s, with a ring's
+    # 256 MiB in flight) stays; a smaller one after it still moves
+    large = torch.empty(64 << 20)  # 256 MiB: 0.27 s at that rate with the ring's, the small one 0.13 s
     offload = _Offload("cpu")
-    figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.05)
+    figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.25)
     assert figures["state"] == "partial" and figures["left_bytes"] == 256 << 20, figures
     assert figures["storages"] == 1 and small.untyped_storage().nbytes() == 0
     offload.reload(torch)
@@ -339,3 +339,43 @@ def test_an_optimizer_not_shaped_as_torchs_moves_nothing_and_raises_nothing() ->
 
     assert _optimizer_tensors(torch, _Odd()) == []
     assert _optimizer_tensors(torch, None) == []
+
+
+def test_a_reload_without_a_ring_copies_plainly_and_one_after_a_failure_keeps_what_came_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload's ring cannot be built (no thread or mapping to spare): the plain copies bring the
+    bytes back all the same. And a reload that failed part way, tried again, does not allocate again
+    for the storages that already have their memory back."""
+    from snapguard.hooks import _workload
+
+    a, b = torch.arange(64.0), torch.arange(32.0)
+    offload = _Offload("cpu")
+    assert offload.take(torch, [a, b])["state"] == "moved"
+
+    def no_ring(*args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected: can't start new thread")
+
+    monkeypatch.setattr(_workload, "_Ring", no_ring)
+    offload.reload(torch)
+    assert torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0)) and offload.arena is None
+    monkeypatch.undo()
+
+    offload = _Offload("cpu")
+    offload.take(torch, [a, b])
+    storage_b = b.untyped_storage()
+    real = type(storage_b).resize_
+    calls: list[int] = []
+
+    def b_fails_once(self, n):  # type: ignore[no-untyped-def]
+        calls.append(self._cdata)
+        if self._cdata == storage_b._cdata and calls.count(self._cdata) == 1:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real(self, n)
+
+    monkeypatch.setattr(type(storage_b), "resize_", b_fails_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        offload.reload(torch)  # a got its memory back, b did not
+    first_a = a.untyped_storage().data_ptr()
+    offload.reload(torch)
+    assert calls.count(a.untyped_storage()._cdata) == 1 and a.untyped_storage().data_ptr() == first_a
+    assert torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0))
