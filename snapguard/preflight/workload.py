@@ -240,10 +240,11 @@ def check_host_memory(inv: Inventory, proc: str | None = None) -> list[Finding]:
 def check_dirty_limit(inv: Inventory, proc: str | None = None) -> list[Finding]:
     """CRIU writes the image through the page cache. Past the kernel's background dirty threshold
     the writeback starts, and the H200's 1.2 B trainer's 21 GB leave-running dump was held at that
-    level until the disk caught up: 12.4 s at the default 10% against 7.9 s at 40% (bench/results/
-    h200/offload-2026-12-01/run11c). The snapshot's size is taken as the tree's resident memory
-    plus its GPU memory (which the driver or the take point copies to host memory); the threshold
-    itself falls as that copy takes host memory, so this errs on the side of silence."""
+    level for 8 s until the disk caught up: 12.4 s at the default 10%, 7.9 s at 40% in an arm run
+    after it (bench/results/h200/offload-2026-12-01/run11c). The snapshot's size is taken as the
+    tree's resident memory plus its GPU memory (which the driver or the take point copies to host
+    memory); the threshold itself falls as that copy takes host memory, so this errs on the side of
+    silence."""
     threshold = procfs.dirty_background_bytes(proc)
     if threshold is None:
         return []
