@@ -110,21 +110,6 @@ def mem_available_bytes(proc: str | None = None) -> int:
     raise ValueError("MemAvailable missing from meminfo")
 
 
-def dirty_background_bytes(proc: str | None = None) -> int | None:
-    """The dirty page cache at which the kernel starts writing back, in bytes (/proc/vmstat's
-    nr_dirty_background_threshold: vm.dirty_background_bytes, or its ratio of the memory the page
-    cache may use now); None when the kernel does not say."""
-    try:
-        text = _read(os.path.join(_root(proc), "vmstat"))
-    except OSError:  # a procfs without it (an old kernel, a test's tree)
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "nr_dirty_background_threshold" and value.strip().isdigit():
-            return int(value) * os.sysconf("SC_PAGE_SIZE")
-    return None
-
-
 def host_facts(proc: str | None = None) -> dict[str, Any]:
     uname = os.uname()
     return {"hostname": uname.nodename, "kernel": uname.release, "arch": uname.machine, "cpu": cpu_info(proc)}

@@ -125,10 +125,6 @@ class Reason(enum.Enum):
                                "remove the preload for snapshot-able workloads")
     HOST_MEMORY_INSUFFICIENT = _Meta("not enough host memory for the snapshot or restore", P, True,
                                      "free host memory or raise the cgroup limit")
-    DIRTY_LIMIT_BELOW_IMAGE = _Meta("the snapshot may be larger than the page cache's dirty background limit: CRIU's "
-                                    "writing past it goes at the pace of the disk's writeback", P, True,
-                                    "raise vm.dirty_background_bytes (and vm.dirty_bytes above it) past the largest "
-                                    "snapshot on the node image, or accept the slower dump")
 
     # the CUDA checkpoint driver API
     CUDA_LOCK_TIMEOUT = _Meta("the CUDA process could not be locked in time (busy kernels or a held lock)", C, True,

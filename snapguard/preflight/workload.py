@@ -237,26 +237,6 @@ def check_host_memory(inv: Inventory, proc: str | None = None) -> list[Finding]:
     return findings
 
 
-def check_dirty_limit(inv: Inventory, proc: str | None = None) -> list[Finding]:
-    """CRIU writes the image through the page cache. Past the kernel's background dirty threshold
-    the writeback starts, and the H200's 1.2 B trainer's 21 GB leave-running dump was held at that
-    level for 8 s until the disk caught up: 12.4 s at the default 10%, 7.9 s at 40% in an arm run
-    after it (bench/results/h200/offload-2026-12-01/run11c). The snapshot's size is taken as the
-    tree's resident memory plus its GPU memory (which the driver or the take point copies to host
-    memory); the threshold itself falls as that copy takes host memory, so this errs on the side of
-    silence."""
-    threshold = procfs.dirty_background_bytes(proc)
-    if threshold is None:
-        return []
-    expected = sum(p.rss_bytes for p in inv.procs) + sum(inv.gpu_memory_by_pid.values())
-    if expected <= threshold:
-        return []
-    return [Finding(Reason.DIRTY_LIMIT_BELOW_IMAGE,
-                    f"the snapshot may be up to {expected >> 20} MiB; the page cache starts writing back at "
-                    f"{threshold >> 20} MiB dirty (vm.dirty_background_*), and CRIU's writing past it waits for the disk",
-                    Severity.WARNING, {"expected_bytes": expected, "dirty_background_bytes": threshold})]
-
-
 ONEDNN_LIB = re.compile(r"/(libtorch_cpu|libdnnl|libmkldnn)[^/]*\.so")
 AMX_FREE_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
                  "AVX512_CORE_BF16", "AVX512_CORE_FP16")
@@ -297,6 +277,5 @@ def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, pr
     report.run("seccomp", lambda: check_seccomp(inv))
     report.run("interposers", lambda: check_interposers(inv, proc))
     report.run("host-memory", lambda: check_host_memory(inv, proc))
-    report.run("dirty-limit", lambda: check_dirty_limit(inv, proc))
     cpu_flags = (report.facts.get("host") or {}).get("cpu", {}).get("flags", [])
     report.run("amx", lambda: check_amx(inv, cpu_flags))

@@ -213,25 +213,3 @@ def test_amx_noted_for_onednn_users_without_a_cap(gpu_proc: Path) -> None:
     assert f.reason is Reason.AMX_STATE_UNSUPPORTED and f.evidence["pid"] == 300
     assert f.severity is Severity.WARNING
     assert workload.check_amx(inv, ["avx512f"]) == []
-
-
-def test_a_snapshot_larger_than_the_dirty_background_limit_is_a_warning(gpu_proc: Path) -> None:
-    page = os.sysconf("SC_PAGE_SIZE")
-    inv = procfs.inventory([100], proc=str(gpu_proc))
-    assert workload.check_dirty_limit(inv, proc=str(gpu_proc)) == []  # no vmstat there: nothing to say
-    (gpu_proc / "vmstat").write_text(f"nr_dirty 12\nnr_dirty_background_threshold {(4 << 30) // page}\n"
-                                     f"nr_dirty_threshold {(8 << 30) // page}\n")
-    inv.cuda_pids_from_driver, inv.gpu_memory_by_pid = {100}, {100: 3 << 30}
-    assert workload.check_dirty_limit(inv, proc=str(gpu_proc)) == []  # 3 GiB and what it holds on the host
-    inv.gpu_memory_by_pid = {100: 20 << 30}
-    (f,) = workload.check_dirty_limit(inv, proc=str(gpu_proc))
-    assert f.reason is Reason.DIRTY_LIMIT_BELOW_IMAGE and f.severity is Severity.WARNING
-    assert f.evidence["dirty_background_bytes"] == 4 << 30 and f.evidence["expected_bytes"] >= 20 << 30
-
-
-def test_the_dirty_background_limit_is_the_kernels() -> None:
-    threshold = procfs.dirty_background_bytes()
-    assert threshold is not None and threshold > 0
-    with open("/proc/vmstat") as f:
-        pages = next(int(line.split()[1]) for line in f if line.startswith("nr_dirty_background_threshold "))
-    assert abs(threshold - pages * os.sysconf("SC_PAGE_SIZE")) <= 64 << 20  # it moves with free memory
