@@ -1,11 +1,11 @@
 """How fast the take point's move can copy an optimizer's tensors off the GPU into one host mapping,
-and back, by each of four ways: measured on the same tensors in one run, each way on a fresh
+and back, by each of several ways: measured on the same tensors in one run, each way on a fresh
 mapping (as every take gets one), the bytes checked after each round trip.
 
     python3 bench/gpu/copyout.py OUT.json [--sizes-gb 1.37,19.2] [--repeat 2]
 
 Ways, out (device -> the mapping) and back (the mapping -> device):
-  pageable   each storage copied by copy_() into the mapping's pages (what the take does now); the
+  pageable   each storage copied by copy_() into the mapping's pages (run 10's take); the
              driver stages pageable copies through its own pinned buffers.
   register   the mapping registered with the driver (cudaHostRegister: pinned), the copies issued
              without a wait, then unregistered; the register call faults and pins every page.
@@ -15,6 +15,8 @@ Ways, out (device -> the mapping) and back (the mapping -> device):
   take       as staging, the way the take point does it: the CPU threads copy by memmove (ctypes;
              Tensor.copy_ starts an OpenMP team in each thread) and the device copies run on the
              current stream (no stream pool created).
+  take-8x32, take-8x64, take-16x16
+             the take's way with more slots and draining threads (slots x MiB each).
 The table gives seconds and GB/s per way and direction, the first and the best of --repeat runs.
 Page cache plays no part (anonymous memory only)."""
 
@@ -133,18 +135,21 @@ def _registered(direction: str, populate: bool):
     return run
 
 
-def _pieces(ts, offsets):
+def _pieces(ts, offsets, slot: int = SLOT):
     for t, o in zip(ts, offsets):
         b, n = flat(t), t.numel() * 4
-        for lo in range(0, n, SLOT):
-            yield b[lo:lo + SLOT], o + lo
+        for lo in range(0, n, slot):
+            yield b[lo:lo + slot], o + lo
 
 
-def _staging(direction: str, memmove: bool = False, side_stream: bool = True):
+def _staging(direction: str, memmove: bool = False, side_stream: bool = True, n_slots: int = SLOTS,
+             slot: int = SLOT):
+    SLOTS, SLOT = n_slots, slot  # noqa: N806 (this ring's)
+
     def run(ts, offsets, m: Mapping, marks: dict) -> None:
         t0 = time.monotonic()
         ring = Mapping(SLOT * SLOTS)
-        ring.populate(SLOTS)
+        ring.populate(min(SLOTS, 8))
         ring.register()
         slots = [ring.bytes[i * SLOT:(i + 1) * SLOT] for i in range(SLOTS)]
         stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
@@ -153,7 +158,7 @@ def _staging(direction: str, memmove: bool = False, side_stream: bool = True):
         t1 = time.monotonic()
         torch.cuda.current_stream().synchronize()
         with ThreadPoolExecutor(SLOTS) as pool, torch.cuda.stream(stream):
-            for j, (dev, off) in enumerate(_pieces(ts, offsets)):
+            for j, (dev, off) in enumerate(_pieces(ts, offsets, SLOT)):
                 k, n = j % SLOTS, dev.numel()
                 if busy[k] is not None:
                     busy[k].result()
@@ -191,6 +196,13 @@ WAYS = {
     "populate": (_registered("out", True), _registered("back", False)),
     "staging": (_staging("out"), _staging("back")),
     "take": (_staging("out", memmove=True, side_stream=False), _staging("back", side_stream=False)),
+    # the take's way with more draining threads: 8 x 32 MiB (the same 256 MiB pinned), 8 x 64 MiB, 16 x 16 MiB
+    "take-8x32": (_staging("out", memmove=True, side_stream=False, n_slots=8, slot=32 * MIB),
+                  _staging("back", side_stream=False, n_slots=8, slot=32 * MIB)),
+    "take-8x64": (_staging("out", memmove=True, side_stream=False, n_slots=8, slot=64 * MIB),
+                  _staging("back", side_stream=False, n_slots=8, slot=64 * MIB)),
+    "take-16x16": (_staging("out", memmove=True, side_stream=False, n_slots=16, slot=16 * MIB),
+                   _staging("back", side_stream=False, n_slots=16, slot=16 * MIB)),
 }
 
 
@@ -201,6 +213,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ways", default=",".join(WAYS))
     args = ap.parse_args()
+    unknown = [w for w in args.ways.split(",") if w not in WAYS]
+    if unknown:
+        ap.error(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
     if not torch.cuda.is_available():
         print("copyout.py: needs a CUDA device", file=sys.stderr)
         return 2
