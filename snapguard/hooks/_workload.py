@@ -656,9 +656,12 @@ class _Arena:
 
     def close(self) -> None:
         self.bytes = None
-        # unmapped even while a view of it lives (torch.frombuffer keeps no buffer export): every
-        # copy into or out of it is waited for before this
-        self.map.close()
+        # unmapped even while a tensor view of it lives (torch.frombuffer keeps no buffer export):
+        # every copy into or out of it is waited for before this
+        try:
+            self.map.close()
+        except BufferError:  # a Python buffer export of it is still open: unmapped when that goes
+            pass
 
 
 def _memmove(dst: int, src: int, n: int) -> None:
@@ -777,7 +780,8 @@ class _Ring:
 
     def close(self) -> None:
         """Unpinned and unmapped; copies still under way (after an error) are waited for first, so
-        no thread or device copy writes into memory that is gone."""
+        no thread or device copy writes into memory that is gone. Never raises: the take and the
+        reload have their bytes, or their error, already."""
         for _ in range(self.SLOTS):
             try:
                 self._slot()
@@ -788,8 +792,11 @@ class _Ring:
                 self.torch.cuda.current_stream(device).synchronize()
             except Exception:
                 pass
-        if self.pinned:
-            self.pinned = not self.pool.submit(self._pin, False).result()
+        try:
+            if self.pinned:
+                self.pinned = not self.pool.submit(self._pin, False).result()
+        except Exception:  # the pool is broken: still registered, so left mapped below
+            pass
         self.pool.shutdown(wait=True)
         self.slots = []
         if not self.pinned:  # still registered with the driver: left mapped rather than unmapped under it
