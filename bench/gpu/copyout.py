@@ -144,22 +144,20 @@ def _pieces(ts, offsets, slot: int = SLOT):
 
 def _staging(direction: str, memmove: bool = False, side_stream: bool = True, n_slots: int = SLOTS,
              slot: int = SLOT):
-    SLOTS, SLOT = n_slots, slot  # noqa: N806 (this ring's)
-
     def run(ts, offsets, m: Mapping, marks: dict) -> None:
         t0 = time.monotonic()
-        ring = Mapping(SLOT * SLOTS)
-        ring.populate(min(SLOTS, 8))
+        ring = Mapping(slot * n_slots)
+        ring.populate(min(n_slots, 8))
         ring.register()
-        slots = [ring.bytes[i * SLOT:(i + 1) * SLOT] for i in range(SLOTS)]
+        slots = [ring.bytes[i * slot:(i + 1) * slot] for i in range(n_slots)]
         stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
-        events = [torch.cuda.Event() for _ in range(SLOTS)]
-        busy: list = [None] * SLOTS
+        events = [torch.cuda.Event() for _ in range(n_slots)]
+        busy: list = [None] * n_slots
         t1 = time.monotonic()
         torch.cuda.current_stream().synchronize()
-        with ThreadPoolExecutor(SLOTS) as pool, torch.cuda.stream(stream):
-            for j, (dev, off) in enumerate(_pieces(ts, offsets, SLOT)):
-                k, n = j % SLOTS, dev.numel()
+        with ThreadPoolExecutor(n_slots) as pool, torch.cuda.stream(stream):
+            for j, (dev, off) in enumerate(_pieces(ts, offsets, slot)):
+                k, n = j % n_slots, dev.numel()
                 if busy[k] is not None:
                     busy[k].result()
                 if direction == "out":

@@ -402,10 +402,10 @@ class Bench:
             t0 = time.time()
             rs = restore_images(str(img), config)
             t1 = time.time()
-            # the log: a cold restore's CRIU ran 1.0-1.3 s past its last line on the H200 (runs 10b,
-            # 11a). When its last line was written (the file's mtime), less that line's time since
-            # CRIU's start, is when CRIU started logging: so the log says whether the time goes
-            # before its first line (exec, loading its libraries) or after its last (exit)
+            # the log: when its last line was written (the file's mtime), less that line's time since
+            # CRIU's start, is when CRIU started logging; so the log says whether a restore's time
+            # goes before its first line (exec, loading its libraries) or after its last (exit). On
+            # the H200 a cold restore's went before it (run 11b: the digest check's reads beside it)
             log = img / "restore.log"
             lines = _read(log).splitlines()
             try:
@@ -535,9 +535,10 @@ class Bench:
             shutil.rmtree(dcp_dir, ignore_errors=True)
 
 
-VM_COUNTERS = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages",
-               "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "compact_stall",
-               "thp_fault_alloc", "thp_split_page", "allocstall_normal", "allocstall_movable", "pgmajfault")
+VM_LEVELS = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages")
+VM_EVENTS = ("pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "compact_stall",
+             "thp_fault_alloc", "thp_split_page", "allocstall_normal", "allocstall_movable", "pgmajfault")
+VM_COUNTERS = VM_LEVELS + VM_EVENTS
 
 
 def vm_counters() -> dict[str, int]:
@@ -553,9 +554,8 @@ def vm_counters() -> dict[str, int]:
 
 def vm_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     """Levels before and after (dirty, writeback, thresholds, free) and the events' counts between."""
-    levels = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages")
-    return {**{f"{k}_before": before.get(k) for k in levels}, **{f"{k}_after": after.get(k) for k in levels},
-            **{k: after[k] - before[k] for k in VM_COUNTERS if k not in levels and k in before and k in after}}
+    return {**{f"{k}_before": before.get(k) for k in VM_LEVELS}, **{f"{k}_after": after.get(k) for k in VM_LEVELS},
+            **{k: after[k] - before[k] for k in VM_EVENTS if k in before and k in after}}
 
 
 def _read(path: Path) -> str:

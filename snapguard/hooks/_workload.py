@@ -480,7 +480,7 @@ class _Offload:
         movable.sort(key=lambda st: st.nbytes(), reverse=True)
         # host memory the copies may take: a trainer the kernel or its cgroup would kill for it is
         # worse off than one whose bytes the driver copies (which fails with an error when short)
-        room = int(_host_room() * 0.8) - _Ring.SLOTS * _Ring.SLOT_BYTES if room is None else room
+        room = int(_host_room() * 0.8) - _Ring.pinned_bytes() if room is None else room
         offsets, total, fits, left = [], 0, [], 0  # left: bytes that stay, here those with no room
         for storage in movable:
             size = -(-storage.nbytes() // _ALIGN) * _ALIGN
@@ -505,7 +505,7 @@ class _Offload:
             for storage, offset in zip(fits, offsets):
                 n = storage.nbytes()
                 # what is issued but not yet drained (a ring's worth at most) counts against the deadline too
-                if deadline is not None and time.monotonic() + (n + _Ring.SLOTS * _Ring.SLOT_BYTES) / rate > deadline:
+                if deadline is not None and time.monotonic() + (n + _Ring.pinned_bytes()) / rate > deadline:
                     continue
                 assert ring is not None
                 ring.out(_as_bytes(torch, storage, n), arena.view(offset, n))
@@ -514,10 +514,9 @@ class _Offload:
                 rate = max(copied / max(time.monotonic() - t1, 1e-6), 1e8)
             if ring is not None:
                 ring.finish()  # every byte in the arena: only now may the device memory go
-            while issued:
-                storage, offset, n = issued[0]
-                storage.resize_(0)
-                self.moved.append(issued.pop(0))
+            for entry in issued:
+                entry[0].resize_(0)
+                self.moved.append(entry)
         except Exception as e:  # what is not emptied stays as it was; what is comes back with the reload
             error = f"{type(e).__name__}: {e}"[:300]
         finally:
@@ -562,16 +561,15 @@ class _Offload:
                 ring: _Ring | None = _Ring(torch, self.device_type == "cuda")
             except Exception:  # no thread or mapping to spare for it: the plain copies, slower
                 ring = None
-            try:
+            if ring is None:
                 for storage, offset, n in self.moved:
-                    if ring is None:
-                        _as_bytes(torch, storage, n).copy_(arena.view(offset, n))
-                    else:
+                    _as_bytes(torch, storage, n).copy_(arena.view(offset, n))
+            else:
+                try:
+                    for storage, offset, n in self.moved:
                         ring.back(arena.view(offset, n), _as_bytes(torch, storage, n))
-                if ring is not None:
                     ring.finish()
-            finally:
-                if ring is not None:
+                finally:
                     ring.close()
             self.moved.clear()
         if self.arena is not None:
@@ -688,6 +686,11 @@ class _Ring:
     SLOTS = 4
     SLOT_BYTES = 64 << 20
 
+    @classmethod
+    def pinned_bytes(cls) -> int:
+        """The host memory a ring takes, pinned; also the most its copies have in flight."""
+        return cls.SLOTS * cls.SLOT_BYTES
+
     def __init__(self, torch: Any, cuda: bool) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -698,7 +701,7 @@ class _Ring:
         self.pool = ThreadPoolExecutor(self.SLOTS, thread_name_prefix="snapguard-take-copy",
                                        **({"initializer": torch.cuda.set_device, "initargs": (self.device,)}
                                           if cuda else {}))
-        self.map = _Arena(torch, self.SLOTS * self.SLOT_BYTES)
+        self.map = _Arena(torch, self.pinned_bytes())
         self.pinned = False
         if cuda:
             self.pinned = self.pool.submit(self._pin, True).result()
