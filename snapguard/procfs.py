@@ -23,7 +23,7 @@ from .reasons import Reason, SnapguardError
 
 __all__ = [
     "Inventory", "ProcInfo", "cpu_info", "established_tcp", "host_facts", "internal_only", "inventory",
-    "mem_available_bytes", "nspid", "own_netns", "parse_maps", "process_state", "process_tree", "procfs_path",
+    "mem_available_bytes", "euid", "nspid", "own_mntns", "own_netns", "parse_maps", "process_state", "process_tree", "procfs_path",
     "read_proc", "set_procfs_path", "tree_tcp", "using_procfs", "check_target", "proc_text",
     "cgroup_memory_headroom", "pid_map",
 ]
@@ -144,6 +144,13 @@ def _status(pid: int, proc: str | None) -> dict[str, str] | None:
     return out
 
 
+def euid(pid: int, proc: str | None = None) -> int | None:
+    """The process's effective uid (its /proc/PID/status; the /proc/PID directory is root's when
+    the process is not dumpable), or None when it is gone or does not say."""
+    fields = ((_status(pid, proc) or {}).get("Uid") or "").split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 def nspid(pid: int, proc: str | None = None) -> int:
     """The pid as the process itself sees it (its innermost pid namespace); pid when unknown."""
     status = _status(pid, proc) or {}
@@ -181,13 +188,26 @@ def check_target(pid: int, proc: str | None = None) -> None:
                              evidence={**evidence, "tgid": int(tgid) if tgid.isdigit() else tgid})
 
 
-def own_netns(pid: int, proc: str | None = None) -> bool:
-    """Whether pid lives in another network namespace than this process (CRIU then locks it)."""
+def _other_namespace(pid: int, kind: str, proc: str | None) -> bool:
+    """Whether pid's namespace of `kind` (/proc/PID/ns/<kind>) is not this process's; True when
+    that cannot be told."""
     root = _root(proc)
     try:
-        return os.readlink(f"{root}/{pid}/ns/net") != os.readlink(f"{root}/self/ns/net")
+        return os.readlink(f"{root}/{pid}/ns/{kind}") != os.readlink(f"{root}/self/ns/{kind}")
     except OSError:
-        return True  # cannot tell: check the lock tools as if it did
+        return True
+
+
+def own_netns(pid: int, proc: str | None = None) -> bool:
+    """Whether pid lives in another network namespace than this process (CRIU then locks it; when
+    it cannot be told, the lock tools are checked as if it did)."""
+    return _other_namespace(pid, "net", proc)
+
+
+def own_mntns(pid: int, proc: str | None = None) -> bool:
+    """Whether pid lives in another mount namespace than this process (a container's; as if it
+    did when that cannot be told)."""
+    return _other_namespace(pid, "mnt", proc)
 
 
 def _children(pid: int, proc: str) -> list[int]:

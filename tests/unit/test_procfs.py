@@ -74,11 +74,13 @@ def test_one_procfs_root_for_every_read(tmp_path: Path) -> None:
     (root / "4242" / "task" / "4242").mkdir(parents=True)
     (root / "4242" / "task" / "4242" / "children").write_text("")
     (root / "4242" / "stat").write_text("4242 (a (b) c) S 1 4242 4242 0 -1 4194560 0\n")
-    (root / "4242" / "status").write_text("Name:\ta (b) c\nTgid:\t4242\nNSpid:\t4242\t7\nPPid:\t1\n")
+    (root / "4242" / "status").write_text("Name:\ta (b) c\nTgid:\t4242\nNSpid:\t4242\t7\nPPid:\t1\n"
+                                          "Uid:\t1000\t1001\t1002\t1003\n")
     with procfs.using_procfs(str(root)):
         assert procfs.procfs_path() == str(root)
         assert procfs.process_tree(4242) == [4242]
         assert procfs.nspid(4242) == 7
+        assert procfs.euid(4242) == 1001 and procfs.euid(4243) is None  # the effective one; gone
         assert procfs.process_state(4242) == "S"
     assert procfs.procfs_path() == "/proc"
     assert procfs.process_state(4242, proc=str(root)) == "S"
