@@ -3,16 +3,20 @@
 A global optimizer step post-hook is registered the moment `torch.optim.optimizer` is imported, so
 every rank of a job counts the same optimizer steps from its first. A daemon thread listens on a
 unix socket for one request per connection:
-  status            -> {"step": steps completed}
-  take <seconds>    -> hold at the end of the next step
-  take-at <S> <s>   -> hold at the end of step S (a step every rank of a job reaches: no rank is
+  status            -> {"step": steps completed, "spill": whether it can spill, ...}
+  take <seconds> [spill]
+                    -> hold at the end of the next step
+  take-at <S> <s> [spill]
+                    -> hold at the end of step S (a step every rank of a job reaches: no rank is
                        left inside a collective that waits for a held one)
-  release           -> go on
+  release           -> go on (a descriptor sent with it: the spilled bytes' file to reload from)
 While held, the trainer's own thread has synchronised, moved its tensors' bytes from the GPU into
 host memory (`_Offload`: the driver's checkpoint then copies little; back on the release; off with
 SNAPGUARD_TAKE_OFFLOAD=0), emptied PyTorch's device and pinned host caches and trimmed the C heap,
 and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot
-hold it forever.
+hold it forever. Asked with `spill`, the bytes go into a tmpfs file of its own (`_SpillArena`,
+SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default; SNAPGUARD_TAKE_SPILL=0 refuses), whose descriptor
+the take's answer carries (SCM_RIGHTS), none of it mapped or open here while the snapshot is taken.
 
 It also resolves the two things that put GPU handles outside a CUDA context into a trainer's tree
 (CRIU cannot dump them), on by default, off with SNAPGUARD_RESOLVE_BLOCKERS=0:
@@ -88,7 +92,7 @@ _PROT_NONE, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x0, 0x02
 
 
 class _Libc:
-    """mmap and munmap through ctypes, bound in the parent so the child only calls them."""
+    """mmap, munmap and madvise through ctypes, bound in the parent so the child only calls them."""
 
     def __init__(self) -> None:
         import ctypes
@@ -101,10 +105,21 @@ class _Libc:
         self.munmap = libc.munmap
         self.munmap.restype = ctypes.c_int
         self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.madvise = libc.madvise
+        self.madvise.restype = ctypes.c_int
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.failed = ctypes.c_void_p(-1).value
 
 
 _libc: _Libc | None = None
+
+
+def _bound_libc() -> _Libc:
+    """The libc calls, bound once (before a fork: the child only calls them)."""
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    return _libc
 
 
 def _nvidia_pattern() -> re.Pattern[str]:
@@ -118,9 +133,7 @@ def drop_inherited(pattern: re.Pattern[str], proc_self: str = "/proc/self") -> d
     forked child): each descriptor whose target matches now refers to /dev/null, with the same
     number (close-on-exec); each mapping of such a path is replaced in place by an anonymous
     PROT_NONE reservation. Returns {"fds": [numbers], "maps": [[start, end, path], ...]}."""
-    global _libc
-    if _libc is None:
-        _libc = _Libc()
+    libc = _bound_libc()
     fds: list[int] = []
     null = -1
     try:
@@ -147,9 +160,9 @@ def drop_inherited(pattern: re.Pattern[str], proc_self: str = "/proc/self") -> d
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             maps.append([lo, hi, parts[5].strip()])
     for lo, hi, _ in maps:
-        got = _libc.mmap(lo, hi - lo, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
-        if got is None or got == _libc.failed:
-            _libc.munmap(lo, hi - lo)  # cannot reserve it: at least it no longer maps the device
+        got = libc.mmap(lo, hi - lo, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        if got is None or got == libc.failed:
+            libc.munmap(lo, hi - lo)  # cannot reserve it: at least it no longer maps the device
     return {"fds": fds, "maps": maps}
 
 
@@ -165,12 +178,10 @@ class _ForkHandler:
         self.dropped: dict[str, list[Any]] | None = None  # in a child: what it dropped
 
     def before(self) -> None:
-        global _libc
         try:
             if self.pattern is None:
                 self.pattern = _nvidia_pattern()
-            if _libc is None:
-                _libc = _Libc()
+            _bound_libc()
             cuda = sys.modules.get("torch.cuda")
             self.parent_cuda = bool(cuda is not None and cuda.is_initialized())
         except Exception:  # never in the way of a fork
@@ -387,6 +398,7 @@ class _Offload:
         self.device_type = device_type
         self.moved: list[tuple[Any, int, int]] = []  # (the storage, its bytes' offset in the arena, their count)
         self.arena: _Arena | None = None
+        self.spill_fd: int | None = None  # a _SpillArena's descriptor, for the executor
         self.figures: dict[str, Any] = {"state": "none"}
 
     @staticmethod
@@ -461,14 +473,16 @@ class _Offload:
         return movable, kept, None
 
     def take(self, torch: Any, tensors: list[Any], objects: Sequence[Any] = (), deadline: float | None = None,
-             room: int | None = None) -> dict[str, Any]:
+             room: int | None = None, spill_dir: str | None = None) -> dict[str, Any]:
         """Move the storages of `tensors` out, the largest first; the figures. `objects`: the rest
         of what the process holds (gc.get_objects()), to find graphs and aliases. What does not fit
         in `room` bytes (default: 80% of the host memory this process may still take), or would not
         be copied by `deadline` (time.monotonic(), at the rate so far: the executor's wait for the
         take is not outrun), stays on the device ("partial"). The copies go through `_Ring` (whose
         pinned buffers count against `room`); no storage is emptied before every copy is done, so a
-        copy that fails leaves them all in place ("failed"). Never raises."""
+        copy that fails leaves them all in place ("failed"). With `spill_dir` the arena is a file
+        there (`_SpillArena`, else anonymous memory when that cannot be made: `spill_error`), handed
+        over as `spill_fd` and named in the figures' `spill`. Never raises."""
         t0 = time.monotonic()
         try:
             movable, kept, blocker = self._candidates(torch, tensors, objects)
@@ -491,14 +505,26 @@ class _Offload:
             offsets.append(total)
             total += size
         fitting = sum(st.nbytes() for st in fits)
-        error, issued, pinned = None, [], None
+        error, issued, pinned, spill_error = None, [], None, None
         ring: _Ring | None = None
+        prepare = None
         try:
             if self.device_type == "cuda":  # every device the copies read from, not only the current one
                 for index in sorted({st.device.index for st in fits if st.device.index is not None}):
                     torch.cuda.synchronize(index)
             if fits:
-                arena = self.arena = _Arena(torch, total)
+                if spill_dir is not None:
+                    try:
+                        st = os.statvfs(spill_dir)
+                        if st.f_bavail * st.f_frsize < total:  # kept in memory rather than not moved
+                            raise OSError(f"{spill_dir} has {st.f_bavail * st.f_frsize} bytes free, the move "
+                                          f"needs {total}")
+                        self.arena = _SpillArena(torch, total, spill_dir)
+                        prepare = self.arena.populate
+                    except OSError as e:  # no such directory, no MADV_POPULATE_WRITE: kept in memory
+                        spill_error = f"{type(e).__name__}: {e}"[:300]
+                if self.arena is None:
+                    self.arena = _Arena(torch, total)
                 ring = _Ring(torch, self.device_type == "cuda")
                 pinned = ring.pinned
             rate, copied, t1 = 2e9, 0, time.monotonic()  # bytes/s until the first copies say
@@ -506,9 +532,11 @@ class _Offload:
                 n = storage.nbytes()
                 # what is issued but not yet drained (a ring's worth at most) counts against the deadline too
                 if deadline is not None and time.monotonic() + (n + _Ring.pinned_bytes()) / rate > deadline:
+                    if prepare is not None:  # a spill's moved bytes stay one run from its start: no holes
+                        break
                     continue
-                assert ring is not None
-                ring.out(_as_bytes(torch, storage, n), arena.view(offset, n))
+                assert ring is not None and self.arena is not None
+                ring.out(_as_bytes(torch, storage, n), self.arena.view(offset, n), prepare)
                 issued.append((storage, offset, n))
                 copied += n
                 rate = max(copied / max(time.monotonic() - t1, 1e-6), 1e8)
@@ -522,24 +550,31 @@ class _Offload:
         finally:
             if ring is not None:
                 ring.close()
-        if not self.moved and self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        spill: dict[str, Any] | None = None
+        if not self.moved:
+            self.discard()
+        elif isinstance(self.arena, _SpillArena):
+            # unmapped and handed over before the hold is reported: CRIU never sees these bytes
+            self.spill_fd = self.arena.handover(max(offset + n for _, offset, n in self.moved))
+            spill = {"path": self.arena.path, "bytes": self.arena.size}
         left += fitting - sum(n for _, _, n in self.moved)  # past the deadline, or failed
         state = "moved" if not left and error is None else ("failed" if error and not self.moved else "partial")
         self.figures = {"state": state, "storages": len(self.moved), "bytes": sum(n for _, _, n in self.moved),
                         "kept_bytes": kept, **({"left_bytes": left} if left else {}),
                         **({"error": error} if error else {}),
                         **({"pinned": pinned} if pinned is not None and self.device_type == "cuda" else {}),
+                        **({"spill": spill} if spill else {}), **({"spill_error": spill_error} if spill_error else {}),
                         "s": time.monotonic() - t0}
         return self.figures
 
-    def reload(self, torch: Any, patience_s: float = 0.0) -> None:
+    def reload(self, torch: Any, patience_s: float = 0.0, source_fd: int | None = None) -> None:
         """Every moved storage back on its device, with its bytes; the host copies unmapped. Device
         memory for every storage comes first: when the device has none for one (another process
         took what the hold freed), the allocator's cache is emptied and it is tried again for up to
         `patience_s` seconds before the error is raised, with every byte still in the arena (a
-        later reload starts over)."""
+        later reload starts over). A spilled arena's bytes are read from `source_fd` (the release
+        passes the executor's: the image's file after a restore), else from its own file by name;
+        the file's name is gone once they are back. The caller keeps `source_fd` and closes it."""
         give_up = time.monotonic() + patience_s
         oom = getattr(torch, "OutOfMemoryError", RuntimeError)
         for storage, offset, n in self.moved:  # device memory for all first: a failure copies nothing
@@ -554,7 +589,9 @@ class _Offload:
                     if self.device_type == "cuda":
                         torch.cuda.empty_cache()
                     time.sleep(0.5)
-        if self.moved:
+        if self.moved and isinstance(self.arena, _SpillArena):
+            self._reload_spilled(torch, self.arena, source_fd)
+        elif self.moved:
             arena = self.arena
             assert arena is not None
             try:
@@ -571,10 +608,63 @@ class _Offload:
                     ring.finish()
                 finally:
                     ring.close()
-            self.moved.clear()
+        self.discard()
+
+    def spilled(self) -> bool:
+        return bool(self.moved) and isinstance(self.arena, _SpillArena)
+
+    def spill_reachable(self) -> bool:
+        """The spill's bytes can be read back through its own name (it is still the file made)."""
+        if not isinstance(self.arena, _SpillArena):
+            return False
+        try:
+            os.close(self.arena.reopen())
+            return True
+        except OSError:
+            return False
+
+    def discard(self) -> None:
+        """The host copy dropped, unmapped, its file's name removed: once the bytes are back, or
+        when the trainer stops (no use for them then)."""
+        self.moved.clear()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+    def _reload_spilled(self, torch: Any, arena: _SpillArena, source_fd: int | None) -> None:
+        """The moved bytes back from the spill file: the one `source_fd` names when it is a regular
+        file long enough, else the arena's own by name; read into the ring's pinned slots."""
+        import mmap
+        import stat
+
+        fd, own = source_fd, False
+        try:
+            try:
+                st = os.fstat(fd) if fd is not None else None
+            except OSError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != arena.size:
+                fd, own = arena.reopen(), True
+            assert fd is not None
+            parts = [(offset, _as_bytes(torch, storage, n)) for storage, offset, n in self.moved]
+            try:
+                ring: _Ring | None = _Ring(torch, self.device_type == "cuda")
+            except Exception:  # no thread or mapping to spare for it: plain copies from a private mapping
+                ring = None
+            if ring is None:
+                with mmap.mmap(fd, arena.size, flags=mmap.MAP_PRIVATE) as view:  # never written: the image's file
+                    host = torch.frombuffer(view, dtype=torch.uint8)
+                    for offset, dev in parts:
+                        dev.copy_(host[offset:offset + dev.numel()])
+                    del host
+            else:
+                try:
+                    ring.back_from_file(fd, parts)
+                finally:
+                    ring.close()
+        finally:
+            if own and fd is not None:
+                os.close(fd)
 
 
 def _optimizer_tensors(torch: Any, optimizer: Any) -> list[Any]:
@@ -662,6 +752,106 @@ class _Arena:
             pass
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, an error instead of SIGBUS
+
+
+class _SpillArena(_Arena):
+    """The arena as a file of its own on a tmpfs (SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default),
+    when the executor asks for it (a process in its own mount namespace, outside a container).
+
+    Why: CRIU writes every page of the frozen process through one thread, after the driver's
+    checkpoint, inside the stall: 20.9 GB in 7.9-15.7 s for the 1.2 B trainer on the H200, 19.2 GB
+    of it the moved bytes. This file is handed to the executor over the take socket (its
+    descriptor), then unmapped and closed here before the hold is reported: CRIU never sees it, and
+    the executor writes it into the image beside CRIU's run, or, for a leave-running snapshot, after
+    the release. Its name stays until the reload, so a hold that ends without the executor (it gave
+    up, or is gone) still finds its bytes. The pages are faulted in by MADV_POPULATE_WRITE just
+    before the copies into them: a tmpfs that is full then fails the take with an error ("failed",
+    nothing moved) instead of a SIGBUS in the trainer."""
+
+    def __init__(self, torch: Any, size: int, directory: str) -> None:
+        import mmap
+
+        from ..names import take_spill_source_name
+
+        self.size = size
+        self.map: Any = None
+        self.fd: int | None = None
+        self.identity: tuple[int, int] | None = None
+        self.path = os.path.join(directory, take_spill_source_name(os.getpid()))
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            self.identity = (st.st_dev, st.st_ino)
+            from ..files import TMPFS_MAGIC, fs_type
+
+            if fs_type(fd) != TMPFS_MAGIC:  # the executor takes only a file in memory (nor would a disk's be quick)
+                raise OSError(f"{directory} is not a tmpfs")
+            # 4 KiB pages: no huge pages for it were seen even with the node's shmem THP at
+            # "advise" and MADV_HUGEPAGE asked (run 12c, thp_file_alloc 0)
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+            self.populate(self.bytes, 1)  # a kernel without MADV_POPULATE_WRITE: no spill (OSError)
+        except BaseException:
+            os.close(fd)
+            self.discard()
+            raise
+        self.fd = fd
+
+    def populate(self, host: Any, n: int | None = None) -> None:
+        """Fault in the pages under `host` (a uint8 view of this arena, page-aligned) writable."""
+        length = host.numel() if n is None else n
+        if _bound_libc().madvise(host.data_ptr(), length, _MADV_POPULATE_WRITE) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, f"spill file {self.path}: {os.strerror(err)}")
+
+    def _unmap(self) -> None:
+        if self.map is not None:
+            _Arena.close(self)
+            self.map = None
+
+    def handover(self, end: int) -> int | None:
+        """Unmapped and cut to `end` (a partial take's last moved byte: the executor copies no
+        hole); the descriptor, for the executor (the caller closes it once it is sent)."""
+        self._unmap()
+        fd, self.fd = self.fd, None
+        if fd is not None and end < self.size:
+            try:
+                os.ftruncate(fd, end)
+                self.size = end
+            except OSError:
+                pass  # handed over whole: the hole is copied too
+        return fd
+
+    def reopen(self) -> int:
+        """A descriptor of this file through its name, when it is still the file made here."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            raise OSError(f"spill file {self.path} is another file now")
+        return fd
+
+    def discard(self) -> None:
+        """Its name gone (when it is still this file's) and the mapping unmapped; never raises."""
+        self._unmap()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            st = os.lstat(self.path)
+            if self.identity is None or (st.st_dev, st.st_ino) == self.identity:
+                os.unlink(self.path)  # None: failed before its identity was read, made by us all the same
+        except OSError:
+            pass  # gone already (another node's restore has no such name)
+
+    def close(self) -> None:
+        self.discard()
+
+
 def _memmove(dst: int, src: int, n: int) -> None:
     import ctypes
 
@@ -675,16 +865,18 @@ class _Ring:
     driver stages it through pinned buffers of its own, one piece at a time); pinning the whole
     arena first (cudaHostRegister) costs about as much as it saves, the faulting and pinning of
     every page. Through a ring of SLOTS pinned buffers of SLOT_BYTES, the device copies into one
-    while SLOTS threads copy the ones before it into the arena (memmove): 19.2 GB out in 2.6 s
-    against 5.6-7.0 s pageable, back in 0.8 s against 2.3 s (bench/gpu/copyout.py, runs 11a and
-    11e, way "take"). Tensor.copy_ in those threads copied out at 17-19 GB/s, but left an OpenMP
-    team per thread in the trainer; with a stream of our own as well, the image was 0.08 GB larger.
+    while SLOTS threads copy the ones before it into the arena (memmove). 16 of 16 MiB: 19.2 GB
+    out in 0.80 s (24 GB/s), against 2.9-6.7 s with 4 of 64 MiB and 5.6-7.0 s pageable, 1.37 GB in
+    0.11 s against 0.29 s; back in 0.8 s against 2.3 s pageable (bench/gpu/copyout.py, runs 11a,
+    11e and 12a, ways "take" and "take-16x16"). Tensor.copy_ in those threads copied out at 17-19
+    GB/s, but left an OpenMP team per thread in the trainer; with a stream of our own as well, the
+    image was 0.08 GB larger.
     The ring is unpinned and unmapped by close(), before the driver's checkpoint sees the process.
     On the CPU (the test suite's device) the same pieces go through the same slots and threads; the
     copy into a slot is then synchronous."""
 
-    SLOTS = 4
-    SLOT_BYTES = 64 << 20
+    SLOTS = 16
+    SLOT_BYTES = 16 << 20
 
     @classmethod
     def pinned_bytes(cls) -> int:
@@ -753,20 +945,60 @@ class _Ring:
         event.record(stream)
         self.done[k] = event
 
-    def _drain(self, event: Any, k: int, host: Any) -> None:
+    def _drain(self, event: Any, k: int, host: Any, prepare: Any = None) -> None:
+        if prepare is not None:  # the destination's pages faulted in while the device copies
+            prepare(host)
         if event is not None:
             event.synchronize()
         # a plain memcpy, not Tensor.copy_: PyTorch would start an OpenMP team (a thread per core)
         # for each of these threads, which would stay in the trainer, and in every image, for good
         _memmove(host.data_ptr(), self.slots[k].data_ptr(), host.numel())
 
-    def out(self, device_bytes: Any, host: Any) -> None:
-        """Start copying a uint8 tensor on the device into `host` (uint8, as long)."""
+    def out(self, device_bytes: Any, host: Any, prepare: Any = None) -> None:
+        """Start copying a uint8 tensor on the device into `host` (uint8, as long). `prepare(view)`
+        runs in the draining thread before each piece of `host` is written (_SpillArena.populate)."""
         for lo in range(0, device_bytes.numel(), self.SLOT_BYTES):
             piece = device_bytes[lo:lo + self.SLOT_BYTES]
             k = self._slot()
             self._to_slot_and_mark(k, self.slots[k][:piece.numel()], piece, device_bytes.device)
-            self.draining[k] = self.pool.submit(self._drain, self.done[k], k, host[lo:lo + piece.numel()])
+            self.draining[k] = self.pool.submit(self._drain, self.done[k], k, host[lo:lo + piece.numel()],
+                                                *((prepare,) if prepare is not None else ()))
+
+    def _read(self, event: Any, k: int, fd: int, offset: int, n: int) -> None:
+        """Slot k filled with n bytes of the file at offset, once the device has read it before."""
+        import ctypes
+
+        if event is not None:
+            event.synchronize()
+        # a buffer over the slot's address, not a memoryview of the mapping: an open export would
+        # keep the mapping from being unmapped
+        view = memoryview((ctypes.c_char * n).from_address(self.slots[k].data_ptr())).cast("B")
+        got = 0
+        while got < n:
+            read = os.preadv(fd, [view[got:]], offset + got)
+            if read <= 0:
+                raise OSError(f"the moved bytes end {offset + got} bytes into their file, {n - got} short")
+            got += read
+
+    def back_from_file(self, fd: int, parts: list[tuple[int, Any]]) -> None:
+        """Copy, for each (offset, device uint8 tensor) of `parts`, the file's bytes at offset into
+        the tensor; every copy done when it returns. The slots' reads run in the pool's threads,
+        a ring's worth ahead of the device's copies: the reads of a cold file overlap."""
+        pieces = [(offset + lo, dev[lo:lo + self.SLOT_BYTES])
+                  for offset, dev in parts for lo in range(0, dev.numel(), self.SLOT_BYTES)]
+        for i, (offset, dev) in enumerate(pieces[:self.SLOTS]):
+            self.draining[i] = self.pool.submit(self._read, None, i, fd, offset, dev.numel())
+        for i, (offset, dev) in enumerate(pieces):
+            k = i % self.SLOTS
+            pending, self.draining[k] = self.draining[k], None
+            if pending is not None:
+                pending.result()
+            self._to_slot_and_mark(k, dev, self.slots[k][:dev.numel()], dev.device)
+            if i + self.SLOTS < len(pieces):
+                offset, dev = pieces[i + self.SLOTS]
+                self.draining[k] = self.pool.submit(self._read, self.done[k], k, fd, offset, dev.numel())
+        self.turn = len(pieces) % self.SLOTS
+        self.finish()
 
     def back(self, host: Any, device_bytes: Any) -> None:
         """Start copying `host` (uint8) into a uint8 tensor on the device, as long."""
@@ -810,6 +1042,14 @@ def _offload_on() -> bool:
     return _env_switch("SNAPGUARD_TAKE_OFFLOAD", True)
 
 
+def _spill_dir() -> str | None:
+    """Where a spilled arena's file goes (SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default); None when
+    SNAPGUARD_TAKE_SPILL=0: the moved bytes then stay in the process, and CRIU writes them."""
+    if not _env_switch("SNAPGUARD_TAKE_SPILL", True):
+        return None
+    return os.environ.get("SNAPGUARD_TAKE_SPILL_DIR", "").strip() or "/dev/shm"
+
+
 def _offload_device() -> str:
     """The device whose tensors move: "cuda". SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu moves a CPU
     trainer's optimizer tensors instead, which gains nothing (they are host memory already) but runs
@@ -844,15 +1084,43 @@ class _TakePoint:
         self.requested_at = 0.0
         self.armed_at = 0.0  # time.monotonic() of the take's arrival
         self.wait_s = 10.0  # how long the executor waits for this take
+        self.spill = False  # the executor takes the moved bytes' file (`_SpillArena`)
+        self.handover_fd: int | None = None  # that file's descriptor, until the take's answer carries it
+        self.release_fd: int | None = None  # the file the release passed back, to reload from
+        self.holding = False  # between the hold's figures and its end: a release's file is for it
 
-    def arm(self, at_step: int | None, wait_s: float = 10.0) -> None:
+    def arm(self, at_step: int | None, wait_s: float = 10.0, spill: bool = False) -> None:
         with self.lock:
+            self._drop_release_fd()
             self.wait_s = wait_s
+            self.spill = spill
             self.reached.clear()
             self.released.clear()
             self.hold_at = self.step + 1 if at_step is None else at_step
             self.requested_at = time.time()
             self.armed_at = time.monotonic()
+
+    def pop_handover(self) -> int | None:
+        with self.lock:
+            fd, self.handover_fd = self.handover_fd, None
+        return fd
+
+    def _drop_release_fd(self) -> None:
+        if self.release_fd is not None:
+            os.close(self.release_fd)
+            self.release_fd = None
+
+    def release(self, fds: list[int]) -> None:
+        """Go on; the first of `fds`, if any, is the spilled bytes' file to reload from: kept only
+        while a hold is under way (a release that comes after its hold ended by itself must not
+        be read by a later one: that would bring back older bytes)."""
+        with self.lock:
+            self._drop_release_fd()
+            if self.holding and fds:
+                self.release_fd, fds = fds[0], fds[1:]
+            for extra in fds:
+                os.close(extra)
+        self.released.set()
 
     def disarm(self) -> None:
         """The executor stopped waiting (and snapshots without the hold, or not at all): a hold that
@@ -879,7 +1147,8 @@ class _TakePoint:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"resolve": self.resolve,
-                               "gpu_handles_dropped_in_children": self.resolve and _fork_handler is not None}
+                               "gpu_handles_dropped_in_children": self.resolve and _fork_handler is not None,
+                               "spill": _spill_dir() is not None}
         if self.resolve:
             try:
                 out["compile_pool"] = self.pool.status()
@@ -921,7 +1190,9 @@ class _TakePoint:
             # what is not moved by then stays for the driver's checkpoint: the executor's wait
             # (which the step before the hold already used part of) also covers the trim below
             offload.take(torch, _optimizer_tensors(torch, optimizer), gc.get_objects(),
-                         deadline=self.armed_at + 0.7 * self.wait_s)
+                         deadline=self.armed_at + 0.7 * self.wait_s, spill_dir=_spill_dir() if self.spill else None)
+            with self.lock:
+                self.handover_fd, offload.spill_fd = offload.spill_fd, None
         if cuda:
             torch.cuda.empty_cache()
             host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
@@ -945,17 +1216,50 @@ class _TakePoint:
             self.figures["compile_pool"] = pool
         if offload is not None:
             self.figures["offload"] = offload.figures
+        with self.lock:
+            self.holding = True
         self.reached.set()
         # Hold at the boundary: the snapshot is taken while this thread waits here.
-        self.released.wait(_HOLD_S)
+        self._wait_for_release(offload)
+        unsent = self.pop_handover()  # the take's answer never went (the executor stopped waiting)
+        if unsent is not None:
+            os.close(unsent)
+        with self.lock:
+            self.holding = False
+            source, self.release_fd = self.release_fd, None
         if offload is not None:
             t1 = time.monotonic()
             try:
-                offload.reload(torch, patience_s=_RELOAD_PATIENCE_S)
+                offload.reload(torch, patience_s=_RELOAD_PATIENCE_S, source_fd=source)
             except Exception as e:  # no device memory for it: the trainer cannot go on without its state
+                offload.discard()  # nor can its spill's bytes be of use to anything: not left in memory
                 raise RuntimeError(f"snapguard take point: the tensors moved to host memory for the snapshot "
                                    f"cannot come back onto the GPU: {type(e).__name__}: {e}") from e
+            finally:
+                if source is not None:
+                    os.close(source)
             offload.figures["reload_s"] = time.monotonic() - t1
+        elif source is not None:
+            os.close(source)
+
+    def _wait_for_release(self, offload: _Offload | None) -> None:
+        """Until the release, or SNAPGUARD_TAKE_HOLD_S (a lost executor does not hold the trainer
+        for ever). But a spilled hold whose file's name is gone can only go on with the file a
+        release brings: it waits on. That is a trainer restored from a stop snapshot (the executor
+        removed the name) or on another node: its wait's deadline was set on the clock of the
+        node and boot it was dumped on, and may be long past once it is restored."""
+        warned, wait = False, _HOLD_S
+        while not self.released.wait(wait):
+            if offload is None or not offload.spilled() or offload.spill_reachable():
+                return
+            wait = max(_HOLD_S, 1.0)  # not a spin, whatever the limit
+            if not warned:
+                warned = True
+                try:
+                    sys.stderr.write("snapguard take point: held past SNAPGUARD_TAKE_HOLD_S; the optimizer's "
+                                     "bytes are in a file only the executor's release can bring back: waiting\n")
+                except Exception:  # no stderr to tell (closed, or gone with the restore): wait all the same
+                    pass
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
@@ -1012,24 +1316,43 @@ def _compile_worker() -> bool:
     return path.endswith(os.path.join("torch", "_inductor", "compile_worker", "__main__.py"))
 
 
-def _answer(point: _TakePoint, words: list[str]) -> dict[str, Any]:
+def _answer(point: _TakePoint, words: list[str], fds: list[int]) -> tuple[dict[str, Any], int | None]:
+    """The reply to one request, and a descriptor to send with it (a take's spilled bytes). `fds`
+    came with the request: a release's is the file to reload from; any other request's are closed."""
+    if words[0] == "release":
+        point.release(fds)
+        return {"ok": True}, None
+    for fd in fds:
+        os.close(fd)
     if words[0] == "status":
         return {"ok": True, "step": point.step, "trainer": point.trainer and not _compile_worker(),
-                "nccl": _nccl_groups(), "pid": os.getpid(), **point.status()}
+                "nccl": _nccl_groups(), "pid": os.getpid(), **point.status()}, None
     if words[0] in ("take", "take-at"):
-        at = int(words[1]) if words[0] == "take-at" else None
-        wait = float(words[-1]) if len(words) > (2 if at is not None else 1) else 10.0
+        spill = "spill" in words  # an option word after the numbers: the executor takes the file
+        numbers = [w for w in words[1:] if w != "spill"]
+        at = int(numbers[0]) if words[0] == "take-at" else None
+        wait = float(numbers[-1]) if len(numbers) > (1 if at is not None else 0) else 10.0
         if at is not None and point.step >= at:
-            return {"ok": False, "error": f"step {at} already passed (at {point.step})", "step": point.step}
-        point.arm(at, wait)
+            return {"ok": False, "error": f"step {at} already passed (at {point.step})", "step": point.step}, None
+        point.arm(at, wait, spill)
         if point.reached.wait(wait):
-            return {"ok": True, **point.figures}
+            return {"ok": True, **point.figures}, point.pop_handover()
         point.disarm()
-        return {"ok": False, "error": "no step boundary in time", "step": point.step}
-    if words[0] == "release":
-        point.released.set()
-        return {"ok": True}
-    return {"ok": False, "error": f"unknown request {words[0]!r}"}
+        return {"ok": False, "error": "no step boundary in time", "step": point.step}, None
+    return {"ok": False, "error": f"unknown request {words[0]!r}"}, None
+
+
+def _request(conn: socket.socket) -> tuple[list[str], list[int]]:
+    """One request line and the descriptors sent with it (SCM_RIGHTS, with its first bytes)."""
+    from ..wire import recv_fds
+
+    data, fds = recv_fds(conn, 4096, 4)
+    while data and b"\n" not in data and len(data) < 4096:
+        more = conn.recv(4096)
+        if not more:
+            break
+        data += more
+    return data.decode(errors="replace").split("\n", 1)[0].split(), fds
 
 
 def _serve(path: str, point: _TakePoint) -> None:
@@ -1042,9 +1365,24 @@ def _serve(path: str, point: _TakePoint) -> None:
     while True:
         conn, _ = srv.accept()
         with conn:
-            words = conn.makefile().readline().split()
-            if words:
-                conn.sendall((json.dumps(_answer(point, words)) + "\n").encode())
+            try:
+                words, fds = _request(conn)
+            except OSError:
+                continue
+            if not words:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            reply, handover = _answer(point, words, fds)
+            data = (json.dumps(reply) + "\n").encode()
+            try:
+                sent = socket.send_fds(conn, [data], [handover]) if handover is not None else 0
+                conn.sendall(data[sent:])
+            except OSError:
+                pass  # the executor is gone: a hold goes on by itself after its limit
+            finally:
+                if handover is not None:
+                    os.close(handover)  # ours closed before the executor reads the end of the reply
 
 
 def start(take_dir: str) -> None:

@@ -10,6 +10,12 @@ holds GPU handles without a CUDA context refuses the snapshot, the trainers rele
 anything is frozen. A container's filesystem is
 not trusted: every directory on the way must be a real directory and the socket a socket, so a
 symlink cannot send the executor (root) to a socket of the host.
+
+Asked with `spill` (a trainer in the executor's own mount namespace, whose status offers it), a
+trainer moves its tensors' bytes into a file of its own on a tmpfs instead of its memory and hands
+the file's descriptor over with the take's answer (SCM_RIGHTS), holding no reference to it while
+it is dumped: the executor writes that file into the image itself (`Spill`), and passes it back
+with the release, to reload from. A restore passes the image's copy instead.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import threading
 import time
 from typing import Any
 
-from .. import procfs
+from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["hold", "release_all", "socket_for", "stray_under", "trainers"]
+__all__ = ["Spill", "hold", "release_all", "socket_for", "stray_under", "trainers"]
 
 
 def socket_for(pid: int, proc: str | None = None) -> str | None:
@@ -48,7 +54,16 @@ def socket_for(pid: int, proc: str | None = None) -> str | None:
         return None
 
 
-def _ask(path: str, line: str, timeout: float) -> dict[str, Any]:
+def _ask(path: str, line: str, timeout: float, send: int | None = None) -> dict[str, Any]:
+    reply, fds = _ask_fds(path, line, timeout, send)
+    for fd in fds:
+        os.close(fd)
+    return reply
+
+
+def _ask_fds(path: str, line: str, timeout: float, send: int | None = None) -> tuple[dict[str, Any], list[int]]:
+    """The reply to one request and the descriptors that came with it (the caller closes them);
+    `send`: a descriptor to pass with the request."""
     # Through a descriptor of the directory: a path under /proc/PID/root can pass the length limit
     # of socket addresses, and the directory cannot be swapped for a symlink after the check.
     dir_fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -56,20 +71,123 @@ def _ask(path: str, line: str, timeout: float) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect(f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}")
-            return _exchange(s, line)
+            return _exchange(s, line, send)
     finally:
         os.close(dir_fd)
 
 
-def _exchange(s: socket.socket, line: str) -> dict[str, Any]:
-    s.sendall(line.encode())
-    f = s.makefile("rb")
-    reply = f.readline()
-    # Wait for the workload to close its end: a connection still open when CRIU freezes the
-    # workload is an external socket that fails the dump.
-    while f.read(4096):
-        pass
-    return json.loads(reply)
+_MAX_REPLY = 1 << 20  # a take point's answer is a few KB: more is not read into the executor
+
+
+def _exchange(s: socket.socket, line: str, send: int | None = None) -> tuple[dict[str, Any], list[int]]:
+    deadline = time.monotonic() + (s.gettimeout() or 30.0)  # for the whole answer, not each piece
+    data = line.encode()
+    sent = socket.send_fds(s, [data], [send]) if send is not None else 0
+    s.sendall(data[sent:])
+    fds: list[int] = []
+    try:
+        # the descriptors come with the reply's first bytes
+        chunk, fds = wire.recv_fds(s, 65536, 4)
+        reply = bytearray(chunk)
+        # Wait for the workload to close its end: a connection still open when CRIU freezes the
+        # workload is an external socket that fails the dump.
+        while chunk:
+            if len(reply) > _MAX_REPLY or time.monotonic() > deadline:
+                raise ValueError("the take point's answer is too long, or does not end")
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = s.recv(65536)
+            reply += chunk
+        answer = json.loads(bytes(reply).split(b"\n", 1)[0])
+        if not isinstance(answer, dict):
+            raise ValueError(f"the take point's answer is not an object: {str(answer)[:80]}")
+        return answer, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _count(value: Any) -> int:
+    """An answer's count as it is, or -1 when it is none (a bool, a float, text)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+class Spill:
+    """A held trainer's moved bytes in a file of its own, handed over with the take's answer: the
+    executor copies it into the image, passes it back with the release, and, when the trainer is
+    gone with a stop snapshot, removes its name. `fd` is the executor's own descriptor of it."""
+
+    def __init__(self, pid: int, fd: int, path: str, size: int) -> None:
+        self.pid, self.fd, self.path, self.size = pid, fd, path, size
+
+    @classmethod
+    def received(cls, pid: int, figures: dict[str, Any], fds: list[int], asked: bool = True) -> Spill | None:
+        """The spill a take's answer reports, checked against the descriptor that came with it;
+        None when it reports none. Raises ValueError (the descriptors closed) when the two do not
+        agree, or when a spill comes that was not `asked` for: the bytes the trainer moved are then
+        in no file the executor may take."""
+        try:
+            offload = figures.get("offload") if isinstance(figures, dict) else None
+            spill = offload.get("spill") if isinstance(offload, dict) else None
+            if spill is None and not fds:
+                return None
+            if not asked:
+                raise ValueError("a spill came that was not asked for")
+            if not isinstance(spill, dict) or len(fds) != 1:
+                raise ValueError(f"the answer reports {str(spill)[:200]} with {len(fds)} descriptor(s)")
+            assert isinstance(offload, dict)
+            path = spill.get("path")
+            named = names.TAKE_SPILL_SOURCE.fullmatch(os.path.basename(path)) if isinstance(path, str) else None
+            size, moved, storages = (_count(spill.get("bytes")), _count(offload.get("bytes")),
+                                     _count(offload.get("storages")))
+            if not isinstance(path, str) or not path.startswith("/") or os.path.normpath(path) != path or \
+                    named is None or named.group(1) != str(pid) or \
+                    not 0 < moved <= size <= moved + storages * 4096:  # each storage starts on a page
+                raise ValueError(f"the answer's spill {str(spill)[:200]} is not one the take point makes")
+            st = os.fstat(fds[0])
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_blocks * 512 < moved:
+                raise ValueError(f"the descriptor is no regular file of {size} bytes holding them")
+            if files.fs_type(fds[0]) != files.TMPFS_MAGIC:  # memory: its reads cannot hang (a FUSE file's could)
+                raise ValueError("the descriptor's file is not on a tmpfs")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(pid, fds[0], path, size)
+
+    def remove_source(self, uid: int | None) -> bool:
+        """Remove the trainer's name of the file (its trainer is gone), when that name still is
+        this file, owned by `uid` (the trainer's): never any other file the path may name by now.
+        The directories on the way are opened one by one without following a link (the trainer
+        could swap one for a link elsewhere between a check and the unlink); the name is then
+        checked and removed through that directory. Whether it was removed."""
+        if uid is None or self.fd < 0 or not self.path.startswith("/"):
+            return False
+        parts = [p for p in os.path.dirname(self.path).split("/") if p]
+        try:
+            dir_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            for part in parts:
+                next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = next_fd
+            name = os.path.basename(self.path)
+            st, mine = os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino) or st.st_uid != uid:
+                return False
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, Any]]:
@@ -91,11 +209,44 @@ def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, An
     return {pid: st for pid, st in found.items() if pid not in pools}
 
 
-def _hold_one(path: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | None, Finding | None]:
+def _take(path: str, pid: int, request: str, wait_s: float, spill: bool,
+          spills: dict[int, Spill]) -> dict[str, Any]:
+    """One take's answer; its spill, when it made one, into `spills`. An answer whose spill does
+    not come with its file, or that is not the answer of a take point, is a take refused
+    (`refused`): the trainer is released (it reloads from its own name) and the snapshot must not
+    go on, since the trainer is not held."""
     try:
-        reply = _ask(path, f"take {wait_s}\n", wait_s + 5)
+        reply, fds = _ask_fds(path, f"{request} {wait_s}{' spill' if spill else ''}\n", wait_s + 5)
     except (OSError, ValueError) as e:
-        reply = {"ok": False, "error": str(e)}
+        return {"ok": False, "error": str(e)}
+    try:
+        # named by the pid the trainer sees: its own pid namespace's
+        got = Spill.received(procfs.nspid(pid), reply, fds, asked=spill) if reply.get("ok") is True else None
+        if got is None:
+            for fd in fds:
+                os.close(fd)
+    except (ValueError, OSError, TypeError, AttributeError) as e:  # received closed the descriptors
+        _ask_quietly(path, "release\n", 10.0)
+        return {"ok": False, "refused": True, "error": f"its answer cannot be taken: {e}"}
+    if got is not None:
+        got.pid = pid
+        spills[pid] = got
+    return reply
+
+
+def _ask_quietly(path: str, line: str, timeout: float) -> None:
+    try:
+        _ask(path, line, timeout)
+    except (OSError, ValueError):
+        pass  # gone, or it goes on by itself after its hold limit
+
+
+def _hold_one(path: str, pid: int, wait_s: float, spill: bool,
+              spills: dict[int, Spill]) -> tuple[dict[str, Any] | None, Finding | None]:
+    reply = _take(path, pid, "take", wait_s, spill, spills)
+    if reply.get("refused"):
+        raise SnapguardError(Reason.PREFLIGHT_FAILED, f"pid {pid}'s take point: {reply.get('error')}; it was "
+                             "released, nothing was frozen", evidence={"pid": pid})
     if reply.get("ok"):
         return reply, None
     return None, Finding(Reason.TAKE_POINT_TIMEOUT,
@@ -103,7 +254,8 @@ def _hold_one(path: str, pid: int, wait_s: float) -> tuple[dict[str, Any] | None
                          Severity.WARNING, {"pid": pid})
 
 
-def _hold_together(found: dict[int, dict[str, Any]], wait_s: float) -> dict[int, dict[str, Any]]:
+def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: set[int],
+                   spills: dict[int, Spill]) -> dict[int, dict[str, Any]]:
     """Every rank to the end of one common step: two past the furthest rank's, so a rank that
     finishes a step while the request is on its way still stops there, and none is left inside
     a collective waiting for a held peer. Raises COORDINATION_FAILED (with the held released)."""
@@ -112,9 +264,9 @@ def _hold_together(found: dict[int, dict[str, Any]], wait_s: float) -> dict[int,
 
     def ask(pid: int) -> None:
         try:
-            replies[pid] = _ask(found[pid]["socket"], f"take-at {target} {wait_s}\n", wait_s + 5)
-        except (OSError, ValueError) as e:
-            replies[pid] = {"ok": False, "error": str(e)}
+            replies[pid] = _take(found[pid]["socket"], pid, f"take-at {target}", wait_s, pid in spill, spills)
+        except Exception as e:  # whatever it was, this rank is not held
+            replies[pid] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
     threads = [threading.Thread(target=ask, args=(pid,)) for pid in found]
     for t in threads:
@@ -124,7 +276,7 @@ def _hold_together(found: dict[int, dict[str, Any]], wait_s: float) -> dict[int,
     held = {pid: r for pid, r in replies.items() if r.get("ok")}
     failed = {pid: r.get("error") for pid, r in replies.items() if not r.get("ok")}
     if failed:
-        release_all({pid: found[pid] for pid in held})
+        release_all({pid: found[pid] for pid in held}, spills)
         raise SnapguardError(Reason.COORDINATION_FAILED, f"ranks not held at step {target}: {failed}",
                              evidence={"held": sorted(held), "ranks": sorted(found), "step": target})
     return held
@@ -150,8 +302,8 @@ def stray_under(trainer_pids: list[int], cuda_pids: list[int], proc: str | None 
 
 
 def _refuse_stray(stray: list[dict[str, Any]], held: dict[int, dict[str, Any]],
-                  found: dict[int, dict[str, Any]]) -> None:
-    release_all({pid: found[pid] for pid in held if pid in found})
+                  found: dict[int, dict[str, Any]], spills: dict[int, Spill] | None = None) -> None:
+    release_all({pid: found[pid] for pid in held if pid in found}, spills)
     first = stray[0]
     raise SnapguardError(Reason.STRAY_GPU_DEVICE_HANDLE,
                          f"after the take point, pid(s) {', '.join(str(s['pid']) for s in stray)} under trainer "
@@ -160,26 +312,41 @@ def _refuse_stray(stray: list[dict[str, Any]], held: dict[int, dict[str, Any]],
                          "frozen, the trainers go on", evidence={"pids": [s["pid"] for s in stray], "processes": stray})
 
 
-def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int],
-         wait_s: float) -> tuple[dict[int, dict[str, Any]], list[Finding], float]:
+def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
+         spill: bool = False) -> tuple[dict[int, dict[str, Any]], list[Finding], float, dict[int, Spill]]:
     """Hold the trainers (as `trainers` found them): one alone, several at one common step.
     Several CUDA processes must all be held together, or the snapshot is refused before anything
     is frozen. Then the processes below them must hold no GPU handle outside a CUDA context
     (the hold shut torch.compile's pool down), or the trainers are released and the snapshot is
-    refused (STRAY_GPU_DEVICE_HANDLE). Returns (figures of those held, warnings, seconds spent)."""
+    refused (STRAY_GPU_DEVICE_HANDLE). `spill`: the trainers whose status offers it move their
+    bytes into files handed over here. Returns (figures of those held, warnings, seconds spent,
+    {pid: Spill}); the caller closes the spills (after `release_all` with them)."""
     t0 = time.monotonic()
+    spills: dict[int, Spill] = {}
+    spilling = {pid for pid, st in found.items() if spill and st.get("spill") is True}
+    try:
+        held, warnings = _hold(found, cuda_pids, wait_s, spilling, spills)
+    except BaseException:
+        for s in spills.values():
+            s.close()
+        raise
+    return held, warnings, time.monotonic() - t0, spills
+
+
+def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float, spilling: set[int],
+          spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]], list[Finding]]:
     unhooked = sorted(set(cuda_pids) - set(found))
     if len(cuda_pids) > 1 and unhooked:
         raise SnapguardError(Reason.COORDINATION_FAILED,
                              f"CUDA processes {unhooked} run no take-point hook: ranks cannot be held at a "
                              "common step", evidence={"cuda_pids": cuda_pids})
     if len(found) > 1:
-        held = _hold_together(found, wait_s)
+        held = _hold_together(found, wait_s, spilling, spills)
         warnings: list[Finding] = []
     else:
         held, warnings = {}, []
         for pid, st in found.items():
-            figures, warning = _hold_one(st["socket"], pid, wait_s)
+            figures, warning = _hold_one(st["socket"], pid, wait_s, pid in spilling, spills)
             if figures:
                 held[pid] = figures
             if warning:
@@ -194,13 +361,29 @@ def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int],
             time.sleep(0.02)
     stray = stray_under(sorted(found), cuda_pids) if found else []
     if stray:
-        _refuse_stray(stray, held, found)
-    return held, warnings, time.monotonic() - t0
+        _refuse_stray(stray, held, found, spills)
+    return held, warnings
 
 
-def release_all(found: dict[int, dict[str, Any]], timeout: float = 10.0) -> None:
-    for st in found.values():
-        try:
-            _ask(st["socket"], "release\n", timeout)
-        except (OSError, ValueError):
-            pass  # gone, or it goes on by itself after its hold limit
+def release_all(found: dict[int, dict[str, Any]], spills: dict[int, Spill] | None = None,
+                timeout: float = 10.0, attempts: int = 3) -> dict[int, str]:
+    """Let the trainers go on; each one's spill (when it has one) passed back to reload from. A
+    release that does not go through is asked again (a release is idempotent: the same file, and
+    a hold already over keeps none). {pid: why} of those it never reached (gone, or they go on by
+    themselves after their hold limit, reloading from their own file when it is there)."""
+    failed: dict[int, str] = {}
+    for pid, st in found.items():
+        spill = (spills or {}).get(pid)
+        for attempt in range(attempts):
+            try:
+                reply = _ask(st["socket"], "release\n", timeout,
+                             spill.fd if spill is not None and spill.fd >= 0 else None)
+                if reply.get("ok") is True:
+                    failed.pop(pid, None)
+                    break
+                failed[pid] = f"answered {str(reply)[:200]}"
+            except (OSError, ValueError) as e:
+                failed[pid] = f"{type(e).__name__}: {e}"[:300]
+            if attempt + 1 < attempts:
+                time.sleep(0.2)
+    return failed

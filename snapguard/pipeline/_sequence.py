@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from .. import criu, files, gpu_suspend, image, preflight, procfs
@@ -26,6 +26,7 @@ from ..config import Config, resolve_cuda_checkpoint
 from ..hooks import take
 from ..reasons import Finding, Reason, SnapguardError
 from ..trust import UntrustedPathError
+from . import _spill
 from ._request import Request
 from ._runners import Runner, alive, log_path
 
@@ -149,10 +150,12 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         preflight.host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=needs_iptables, ahead=ahead)
         inv.attach_gpu(report.facts.get("gpu"))
         found = take.trainers(tree)
+        # the moved bytes leave the process (take.Spill) only where the executor shares its files
+        spill = runner.uses_host_pids and not any(procfs.own_mntns(p) for p in found)
         preflight.workload_checks(report, inv, req.tcp_established, trainers=found)
         report.raise_blockers()
         cuda_pids = [p.pid for p in inv.cuda_processes()]
-    with _claimed(config, tree, req.image_dir):
+    with _claimed(config, tree, req.image_dir), ExitStack() as cleanup:
         with steps.step("image_dir", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
             if os.path.islink(req.image_dir):  # seal refuses it, but only after CRIU dumped through it
                 raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {req.image_dir} is a symlink: "
@@ -161,7 +164,17 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
-            figures, take_warnings, _ = take.hold(found, cuda_pids, req.timeouts.take_wait_s)
+            figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
+            try:
+                copies = _spill.SpillCopies(req.image_dir, spills, figures)
+            except BaseException:
+                take.release_all(found, spills)
+                for held_spill in spills.values():
+                    held_spill.close()
+                raise
+            cleanup.callback(copies.close)
+        if not req.leave_running:
+            copies.start()  # beside CRIU's run: the trainer is gone with it
         warnings = report.warnings + take_warnings
         options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
                                    timeout_s=req.timeouts.criu_s, leave_running=req.leave_running,
@@ -171,7 +184,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             with steps.step("cuda_suspend", Reason.CUDA_CHECKPOINT_FAILED):
                 gpu_suspend.suspend(cuda_pids, req.timeouts.criu_s)
         except SnapguardError:
-            take.release_all(found)
+            take.release_all(found, spills)
             raise
         # A stop snapshot's page files are hashed while CRIU writes them. Not a leave-running
         # one's: its seal comes after the stall, and the hashing takes cores and memory bandwidth
@@ -195,7 +208,11 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             if goes_on:
                 with steps.step("cuda_resume", Reason.CUDA_STATE_WEDGED):
                     outcomes = gpu_suspend.resume(cuda_pids)
-                take.release_all(found)
+                unreleased = take.release_all(found, spills)
+                if unreleased:  # each goes on by itself after its hold limit
+                    steps.counts["trainers_not_released"] = len(unreleased)
+                if failure is None and rc == 0:
+                    copies.start()  # a leave-running snapshot's: after the stall
             wedged = gpu_suspend.wedged(outcomes)
             evidence = {**runner.identity(), "cuda_recovery": outcomes, "log": log}
             if failure is not None:
@@ -212,9 +229,13 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             if wedged:
                 raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
                                      evidence=evidence, warnings=warnings)
+            copies.trainers_ended = not req.leave_running  # CRIU ended them: their spills' names go
             gpu_facts = report.facts.get("gpu")
             try:
                 with steps.step("seal", Reason.IMAGE_WRITE_FAILED, image=req.image_dir):
+                    if copies.copies:
+                        with steps.timed("spill_wait"):
+                            steps.timings["spill_write_s"] = copies.wait(req.timeouts.run_s)
                     known = _spans_hashed(hasher, steps)
                     manifest = _seal(req, runner, report, inv, figures, own_netns, network_lock, conns, cuda_pids,
                                      gpu_facts, known)
@@ -451,6 +472,37 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     return states
 
 
+def _release_restored(runner: Runner, req: Request, pid: int, wanted: dict[int, tuple[str, int]], steps: _Steps,
+                      report: preflight.Report) -> None:
+    """Release the restored trainers. One whose spill cannot be passed to it (it does not answer,
+    or the file is not as listed) would wake without its optimizer's bytes: the restored tree is
+    ended instead, the image left whole for another restore."""
+    restored = take.trainers(procfs.process_tree(pid))
+    try:
+        with steps.step("release", Reason.CRIU_RESTORE_FAILED, image=req.image_dir):
+            missing = sorted(set(wanted) - set(restored))
+            if missing:
+                raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored trainer(s) {missing} do not answer at "
+                                     "their take point: their moved bytes cannot be passed back",
+                                     evidence={"image": req.image_dir, "missing": missing})
+            spills = _spill.open_image_spills(req.image_dir, wanted)
+            try:
+                unreleased = take.release_all(restored, spills)
+            finally:
+                for spill in spills.values():
+                    spill.close()
+            failed = {pid: why for pid, why in unreleased.items() if pid in wanted}
+            if failed:
+                raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored trainer(s) {sorted(failed)} did not take "
+                                     f"the release with their moved bytes' file: {'; '.join(failed.values())}",
+                                     evidence={"image": req.image_dir, "failed": {str(p): w for p, w in failed.items()}})
+    except SnapguardError as e:
+        e.failure.evidence["restored_tree_ended"] = runner.discard(pid)
+        e.failure.workload_intact = False
+        e.failure.warnings = report.warnings
+        raise
+
+
 def restore(runner: Runner, req: Request, config: Config, *,
             host_checks: preflight.HostChecks | None = None) -> dict[str, Any]:
     """Restore req.image_dir through the runner; a result record, or SnapguardError.
@@ -476,6 +528,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
             report.run("pid-conflicts", lambda: _pid_conflicts(manifest))
         report.raise_blockers()
         assert manifest is not None and digests is not None
+        wanted = _spill.image_spills(manifest, req.image_dir)  # the files the release passes back
         device_map = _device_map(req, report, config)
     options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
                                timeout_s=req.timeouts.criu_s, tcp_established=req.tcp_established,
@@ -530,8 +583,9 @@ def restore(runner: Runner, req: Request, config: Config, *,
                 e.failure.warnings = report.warnings
                 raise
         if manifest.get("take_point"):
-            # the workload was held at its take point when dumped: let it go on
-            take.release_all(take.trainers(procfs.process_tree(pid)))
+            # the workload was held at its take point when dumped: let it go on, each trainer whose
+            # bytes the image holds apart (its spill) with that file to reload from
+            _release_restored(runner, req, pid, wanted, steps, report)
     return _record({
         "operation": "restore", **runner.identity(), "pid": pid, "image": req.image_dir, "cuda_states": states,
         "device_map": device_map, "image_epoch": manifest["epoch"],

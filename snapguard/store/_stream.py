@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..names import NOT_IMAGE_FILES
+from ..names import NOT_IMAGE_FILES, TAKE_SPILL
 from ._digest import SPAN, combine
 from ._members import check_member, read_sealed, read_span, upload_member
 
@@ -87,8 +87,9 @@ class StreamingPush:
         total = 0
         for entry in os.scandir(self._dir_fd):
             name = entry.name
-            if name in NOT_IMAGE_FILES or name.startswith((".", "snapguard-")) or name.endswith(".log"):
-                continue
+            if name in NOT_IMAGE_FILES or name.endswith(".log") or \
+                    (name.startswith((".", "snapguard-")) and not TAKE_SPILL.fullmatch(name)):
+                continue  # snapguard's own files: but a take point's spill is image, written front to back
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -174,33 +176,53 @@ def _moved_trainer_reference(steps: int) -> dict[int, int]:
         torch.set_num_threads(threads)
 
 
-def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(tmp_path: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """The take point's move of the optimizer's tensors (on the GPU: off the device), run on CPU
-    tensors (SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu): emptied at the hold, kept in the huge-page mapping
-    through a leave-running snapshot and through a stop snapshot, CRIU's restore and the release,
-    and back each time: the trainer's weights follow the uninterrupted run's, step for step."""
+    tensors (SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu): emptied at the hold, moved into a file of the
+    trainer's own on a tmpfs (its spill), which the executor takes into the image (CRIU never sees
+    it) through a leave-running snapshot and through a stop snapshot, CRIU's restore and the release
+    with the image's copy, and back each time: the trainer's weights follow the uninterrupted
+    run's, step for step, and no spill file is left behind. The stop snapshot is restored after
+    the trainer's hold limit (SNAPGUARD_TAKE_HOLD_S) has passed: the restored hold finds its
+    deadline gone and its file's name removed, and waits for the release's file. With
+    SNAPGUARD_TAKE_SPILL=0 the bytes stay in the process's memory, and CRIU writes them."""
     pytest.importorskip("torch")
     from snapguard_lab.targets import BareTarget
 
+    spill_dir = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/dev/shm"))  # a tmpfs, as by default
+    request.addfinalizer(lambda: shutil.rmtree(spill_dir, ignore_errors=True))
     monkeypatch.setenv("SNAPGUARD_TAKE_OFFLOAD_DEVICE", "cpu")
-    with BareTarget(tmp_path / "moved", script=MOVED_TRAINER, hook=True) as t:
-        t.start(lines=3)
-        for name, leave_running in (("lr", True), ("stop", False)):
-            images = tmp_path / f"{name}-img"
-            out = t.checkpoint(images, images, leave_running=leave_running)
-            assert out.returncode == 0, out.stderr
-            (figures,) = image.verify(str(images))["take_point"].values()
-            offload = figures["offload"]
-            # 4 parameters, their 4 gradients, AdamW's 3 state tensors each
-            assert offload["state"] == "moved" and offload["storages"] == 20, offload
-            if not leave_running:
-                out = t.restore(images, images)
+    monkeypatch.setenv("SNAPGUARD_TAKE_SPILL_DIR", str(spill_dir))
+    monkeypatch.setenv("SNAPGUARD_TAKE_HOLD_S", "8")  # well past a snapshot on a busy CI machine
+    for spill in (True, False):
+        monkeypatch.setenv("SNAPGUARD_TAKE_SPILL", "1" if spill else "0")
+        with BareTarget(tmp_path / f"moved-{spill}", script=MOVED_TRAINER, hook=True) as t:
+            t.start(lines=3)
+            for name, leave_running in (("lr", True), ("stop", False)):
+                images = tmp_path / f"{name}-{spill}-img"
+                out = t.checkpoint(images, images, leave_running=leave_running)
                 assert out.returncode == 0, out.stderr
-            assert t.advancing(), f"the trainer does not step after the {name} snapshot"
-        values = t.values()
-    expected = _moved_trainer_reference(max(i for i, _ in values))
-    assert [h for _, h in values] == [expected[i] for i, _ in values]
+                ((pid, figures),) = image.verify(str(images))["take_point"].items()
+                offload = figures["offload"]
+                # 4 parameters, their 4 gradients, AdamW's 3 state tensors each
+                assert offload["state"] == "moved" and offload["storages"] == 20, offload
+                if spill:
+                    held = images / offload["spill"]["file"]
+                    assert held.name == f"snapguard-take-{pid}.bin" and held.stat().st_size == offload["spill"]["bytes"]
+                    assert "spill_write_s" in json.loads(out.stdout)["timings"]
+                else:
+                    assert "spill" not in offload and not list(images.glob("snapguard-take-*")), offload
+                if not leave_running:
+                    assert not list(spill_dir.iterdir()), "the stopped trainer's spill file was left"
+                    time.sleep(9)  # past the hold limit
+                    out = t.restore(images, images)
+                    assert out.returncode == 0, out.stderr
+                assert t.advancing(), f"the trainer does not step after the {name} snapshot"
+                assert not list(spill_dir.iterdir()), "the reloaded trainer's spill file was left"
+            values = t.values()
+        expected = _moved_trainer_reference(max(i for i, _ in values))
+        assert [h for _, h in values] == [expected[i] for i, _ in values]
 
 
 def test_held_workload_is_verified_while_criu_restores_it_and_never_released_corrupt(tmp_path: Path) -> None:

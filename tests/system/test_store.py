@@ -284,9 +284,16 @@ def test_streaming_push_overlaps_the_writer_and_the_manifest_decides(store_url: 
     _grow(d / "rewritten.img", [os.urandom(SPAN), os.urandom(1 << 20)])
     _grow(d / "gone.img", [os.urandom(SPAN + 1)])
     (d / "core-1.img").write_bytes(b"small")
+    # a take point's spill (snapguard's name, but image bytes written front to back) streams too;
+    # snapguard's other files do not
+    _grow(d / "snapguard-take-7.bin", [os.urandom(SPAN), os.urandom(4096)])
+    _grow(d / "snapguard-other.bin", [os.urandom(SPAN)])
     deadline = time.monotonic() + 60
-    while stream.streamed_bytes < 5 * SPAN and time.monotonic() < deadline:
+    while stream.streamed_bytes < 6 * SPAN and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(0.3)  # a scan or two more: snapguard-other.bin must not be sent
+    assert stream.streamed_bytes == 6 * SPAN
+    os.unlink(d / "snapguard-other.bin")
     with open(d / "rewritten.img", "r+b") as f:  # back over a span already sent
         f.write(b"X" * 4096)
     os.unlink(d / "gone.img")
@@ -294,7 +301,7 @@ def test_streaming_push_overlaps_the_writer_and_the_manifest_decides(store_url: 
     manifest = image.seal(str(d), _fields(sealed))
     ref = stream.finish()
     assert ref.complete and stream.resent == ["rewritten.img"]
-    assert sorted(manifest["files"]) == ["core-1.img", "pages-1.img", "rewritten.img"]
+    assert sorted(manifest["files"]) == ["core-1.img", "pages-1.img", "rewritten.img", "snapguard-take-7.bin"]
     pulled = store.pull(ref, str(tmp_path / "out"))
     for name in manifest["files"]:
         assert (Path(pulled.image_dir) / name).read_bytes() == (d / name).read_bytes(), name

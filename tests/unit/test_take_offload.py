@@ -265,12 +265,12 @@ def test_a_hold_the_executor_gave_up_on_does_not_wait_for_a_release() -> None:
         if give_up:
             point.disarm()  # what the take's answer does when its wait ran out
         else:
-            assert _answer(point, ["release"]) == {"ok": True}
+            assert _answer(point, ["release"], []) == ({"ok": True}, None)
         trainer.join(5)
         assert not trainer.is_alive()
 
-    answer = _answer(point, ["take", "0.2"])  # no step comes: the take gives up, nothing holds later
-    assert answer["ok"] is False and "no step boundary in time" in answer["error"]
+    answer, handed = _answer(point, ["take", "0.2"], [])  # no step comes: the take gives up, nothing holds later
+    assert answer["ok"] is False and "no step boundary in time" in answer["error"] and handed is None
     trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
     trainer.start()
     trainer.join(5)

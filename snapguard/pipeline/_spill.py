@@ -1,0 +1,142 @@
+"""A held trainer's spilled bytes (snapguard.hooks.take.Spill) into the image, and back out of it.
+
+The take point of a trainer in the executor's own mount namespace moves its tensors' bytes into a
+file of its own on a tmpfs and hands it over: `SpillCopies` writes each such file into the image
+(`names.take_spill_name(pid)`), each by a thread of its own, beside CRIU's run (stop snapshot) or after the release
+(leave-running), so that CRIU writes only what stays in the process. The manifest's take_point
+names the file (`offload.spill.file`); `image_spills` reads those names back for a restore, which
+passes each trainer its image file with the release (`open_image_spills`).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from typing import Any
+
+from .. import files, names, procfs
+from ..hooks import take
+from ..reasons import Reason, SnapguardError
+from ._runners import alive
+
+__all__ = ["SpillCopies", "image_spills", "open_image_spills"]
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SpillCopies:
+    """The copies of `spills` into the image directory, named in each trainer's figures."""
+
+    def __init__(self, image_dir: str, spills: dict[int, take.Spill], figures: dict[int, dict[str, Any]]) -> None:
+        self.spills = spills
+        self.copies: dict[int, files.FileCopy] = {}
+        self.started = False
+        self.trainers_ended = False  # a stop snapshot's dump succeeded: its trainers are on their way out
+        self._dir_fd = os.open(image_dir, _O_DIR) if spills else -1
+        # the trainers' owners, read while they run: a stop snapshot's trainer is gone when its
+        # spill's name is removed, and only a file of its owner's is
+        self.uids = {pid: procfs.euid(pid) for pid in spills}
+        try:
+            if spills:
+                st = os.fstatvfs(self._dir_fd)
+                needed = sum(spill.size for spill in spills.values())
+                if st.f_bavail * st.f_frsize < needed:  # found before anything is frozen
+                    raise SnapguardError(Reason.IMAGE_WRITE_FAILED, f"the image's filesystem has "
+                                         f"{st.f_bavail * st.f_frsize} bytes free, the trainers' moved bytes "
+                                         f"need {needed}; nothing was frozen, the trainers go on",
+                                         evidence={"image": image_dir, "free": st.f_bavail * st.f_frsize,
+                                                   "needed": needed})
+            for pid, spill in spills.items():
+                name = names.take_spill_name(pid)
+                self.copies[pid] = files.FileCopy(spill.fd, self._dir_fd, name, spill.size)
+                figures[pid]["offload"]["spill"]["file"] = name
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            for copy in self.copies.values():
+                try:
+                    copy.start()
+                except RuntimeError:  # no thread to be had: wait() says that its file is not whole
+                    pass
+
+    def wait(self, timeout_s: float) -> float:
+        """Every file whole in the image within `timeout_s` (OSError otherwise); the longest
+        copy's seconds."""
+        self.start()
+        deadline = time.monotonic() + timeout_s
+        for copy in self.copies.values():
+            copy.wait(max(0.0, deadline - time.monotonic()))
+        return max((c.seconds or 0.0 for c in self.copies.values()), default=0.0)
+
+    def close(self) -> None:
+        """Copies stopped, descriptors closed; and the name of every spill whose trainer is gone
+        (a stop snapshot ended it, or it died) removed: nothing else would, and each is as large
+        as the optimizer's state, in memory. A trainer that lives removes its own at its reload."""
+        for copy in self.copies.values():
+            copy.close()
+        # CRIU kills a stop snapshot's trainers and does not wait: one with a large memory may
+        # take a while to become a zombie, given that while (10 s at most)
+        deadline = time.monotonic() + (10.0 if self.trainers_ended else 0.0)
+        for pid, spill in self.spills.items():
+            while (running := alive(pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not running:
+                spill.remove_source(self.uids.get(pid))
+            spill.close()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+
+def image_spills(manifest: dict[str, Any], image_dir: str) -> dict[int, tuple[str, int]]:
+    """{pid: (file, bytes)} of the spills the manifest's take_point names, each a file the
+    manifest lists with that size and the name snapguard gives it; MANIFEST_INVALID otherwise."""
+    out: dict[int, tuple[str, int]] = {}
+    listed = manifest.get("files") or {}
+    for key, figures in (manifest.get("take_point") or {}).items():
+        spill = ((figures or {}).get("offload") or {}).get("spill") if isinstance(figures, dict) else None
+        if spill is None:
+            continue
+        name = spill.get("file") if isinstance(spill, dict) else None
+        size = spill.get("bytes") if isinstance(spill, dict) else None
+        pid = int(key) if isinstance(key, str) and key.isdigit() else None
+        entry = listed.get(name) if isinstance(name, str) else None
+        if pid is None or name != names.take_spill_name(pid) or not isinstance(entry, dict) or \
+                not isinstance(size, int) or isinstance(size, bool) or entry.get("size") != size:
+            raise SnapguardError(Reason.MANIFEST_INVALID, f"take_point of pid {key} names a spill {spill!r} that "
+                                 "is not one of the image's files as snapguard writes them",
+                                 evidence={"image": image_dir, "pid": key})
+        out[pid] = (name, size)
+    return out
+
+
+def open_image_spills(image_dir: str, wanted: dict[int, tuple[str, int]]) -> dict[int, take.Spill]:
+    """The image's spill files opened read-only (never through a link), each checked to be the
+    regular file of the size the manifest gives, for the release to pass on."""
+    out: dict[int, take.Spill] = {}
+    dir_fd = os.open(image_dir, _O_DIR)
+    try:
+        for pid, (name, size) in wanted.items():
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError as e:  # gone, or a link put in its place
+                raise SnapguardError(Reason.IMAGE_CORRUPT, f"{name} in {image_dir} cannot be opened as the file the "
+                                     f"manifest lists: {e.strerror or e}", evidence={"image": image_dir, "file": name})
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                os.close(fd)
+                raise SnapguardError(Reason.IMAGE_CORRUPT, f"{name} in {image_dir} is not the file of {size} bytes "
+                                     "the manifest lists", evidence={"image": image_dir, "file": name})
+            out[pid] = take.Spill(pid, fd, "", size)
+    except BaseException:
+        for spill in out.values():
+            spill.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return out

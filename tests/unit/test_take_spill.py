@@ -1,0 +1,517 @@
+"""The take point's spill: the moved bytes in a tmpfs file of the trainer's own, handed to the
+executor over the take socket (SCM_RIGHTS) and passed back with the release; the executor's side
+(`take.Spill`, `files.FileCopy`, the manifest's names). Real PyTorch on CPU storages, real unix
+sockets and files; the whole path through CRIU is tests/system/test_bare.py's take-point test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from snapguard import files, names  # noqa: E402
+from snapguard.hooks import take  # noqa: E402
+from snapguard.hooks._workload import _Offload, _SpillArena, _TakePoint, _serve  # noqa: E402
+from snapguard.pipeline import _spill  # noqa: E402
+from snapguard.reasons import Reason, SnapguardError  # noqa: E402
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a tmpfs (the spill's files must be in memory): /dev/shm, as by default."""
+    d = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _stepped_trainer(monkeypatch: pytest.MonkeyPatch, shm: Path,
+                     width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A CPU model whose AdamW has stepped once, with the take point's CPU move spilling to `shm`."""
+    monkeypatch.setenv("SNAPGUARD_TAKE_OFFLOAD_DEVICE", "cpu")
+    monkeypatch.setenv("SNAPGUARD_TAKE_SPILL_DIR", str(shm))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _state() -> list[torch.Tensor]:
+    torch.manual_seed(3)
+    return [torch.randn(3000), torch.randn(70000), torch.randn(5)]
+
+
+@pytest.mark.parametrize("ring", ["default", "2 slots of 4 KiB"])
+def test_a_spilled_take_leaves_the_bytes_in_its_file_and_none_mapped(shm: Path, ring: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taken with a spill directory: every storage empty, its bytes in a file there (0600, the
+    take's name), the file unmapped and its descriptor handed over; reloaded from that descriptor
+    (through a ring whose slots are read again and again when small), the bytes come back exact and
+    the file's name is gone."""
+    from snapguard.hooks import _workload
+
+    if ring != "default":
+        monkeypatch.setattr(_workload._Ring, "SLOTS", 2)
+        monkeypatch.setattr(_workload._Ring, "SLOT_BYTES", 4096)
+    tensors = _state()
+    before = [t.clone() for t in tensors]
+    offload = _Offload("cpu")
+    figures = offload.take(torch, tensors, spill_dir=str(shm))
+    assert figures["state"] == "moved" and "spill_error" not in figures, figures
+    spill = figures["spill"]
+    path = Path(spill["path"])
+    assert path.parent == shm and names.TAKE_SPILL_SOURCE.fullmatch(path.name), spill
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_size == spill["bytes"]
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    fd = offload.spill_fd
+    assert fd is not None and os.fstat(fd).st_ino == path.stat().st_ino
+    assert isinstance(offload.arena, _SpillArena) and offload.arena.map is None  # nothing of it mapped
+    offload.reload(torch, source_fd=fd)
+    os.close(fd)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    assert not path.exists() and offload.arena is None
+
+
+def test_a_hold_released_without_its_file_reloads_from_its_own_name(shm: Path) -> None:
+    """The executor gave up (or is gone) and passed nothing back, or passed something that is not
+    the file: the bytes come back from the file's own name, which is then removed."""
+    for passed in (None, "fifo"):
+        tensors = _state()
+        before = [t.clone() for t in tensors]
+        offload = _Offload("cpu")
+        offload.take(torch, tensors, spill_dir=str(shm))
+        assert offload.spill_fd is not None
+        os.close(offload.spill_fd)
+        source = None
+        if passed == "fifo":
+            os.mkfifo(shm / "not-it")
+            source = os.open(shm / "not-it", os.O_RDWR)
+        offload.reload(torch, source_fd=source)
+        if source is not None:
+            os.close(source)
+            os.unlink(shm / "not-it")
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+        assert list(shm.iterdir()) == []
+
+
+def test_a_spill_that_cannot_be_made_or_filled_moves_nothing_into_it(shm: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No such directory, or one not on a tmpfs: the bytes move into the process's memory as
+    without a spill, the reason in `spill_error`, no file left. Pages that cannot be had part way
+    (a full tmpfs, where a plain write into the mapping would be a SIGBUS): the take fails, every
+    storage stays, the file is removed."""
+    probe = os.open(tmp_path, os.O_RDONLY)
+    disk = files.fs_type(probe) != files.TMPFS_MAGIC  # a CI's /tmp may be a tmpfs
+    os.close(probe)
+    for where, why in ((shm / "absent", "No such file"), (tmp_path, "not a tmpfs")):
+        if where == tmp_path and not disk:
+            continue
+        tensors = _state()
+        offload = _Offload("cpu")
+        figures = offload.take(torch, tensors, spill_dir=str(where))
+        assert figures["state"] == "moved" and why in figures["spill_error"] and "spill" not in figures, figures
+        assert offload.spill_fd is None and list(shm.iterdir()) == [] and list(tmp_path.iterdir()) == []
+        offload.reload(torch)
+
+    real, calls = _SpillArena.populate, []
+
+    def full(self, host, n=None):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(28, "injected: no space left on the tmpfs")
+        return real(self, host, n)
+
+    monkeypatch.setattr(_SpillArena, "populate", full)
+    tensors = _state()
+    before = [t.clone() for t in tensors]
+    offload = _Offload("cpu")
+    figures = offload.take(torch, tensors, spill_dir=str(shm))
+    assert figures["state"] == "failed" and "injected" in figures["error"], figures
+    assert offload.spill_fd is None and offload.moved == [] and list(shm.iterdir()) == []
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+def test_the_take_socket_hands_the_file_over_and_the_release_brings_it_back(shm: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a real unix socket: `take <s> spill` is answered with the figures and the file's
+    descriptor (the trainer's own closed before the answer ends), which `take.Spill.received`
+    accepts; a release that passes it back lets the trainer reload its optimizer from it, and
+    the trainer's step goes on with its state exact. A take without `spill` hands nothing over."""
+    model, opt = _stepped_trainer(monkeypatch, shm, 64)
+    saved = [p.detach().clone() for p in model.parameters()] + \
+        [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    point = _TakePoint()
+    path = str(tmp_path / "take.sock")
+    threading.Thread(target=_serve, args=(path, point), daemon=True).start()
+    for _ in range(200):
+        if os.path.exists(path):
+            break
+        threading.Event().wait(0.01)
+    assert take._ask(path, "status\n", 5)["spill"] is True
+    for spill in (True, False):
+        trainer = threading.Thread(target=point.at_step_end, args=(opt, (), {}))
+        asked: dict[str, object] = {}
+
+        def ask() -> None:
+            asked["reply"], asked["fds"] = take._ask_fds(path, f"take 5{' spill' if spill else ''}\n", 10)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        while point.hold_at is None:
+            threading.Event().wait(0.01)
+        trainer.start()
+        asker.join(10)
+        reply, fds = asked["reply"], asked["fds"]
+        assert isinstance(reply, dict) and isinstance(fds, list) and reply["ok"], reply
+        if spill:
+            got = take.Spill.received(os.getpid(), reply, fds)
+            assert got is not None and os.fstat(got.fd).st_size == reply["offload"]["spill"]["bytes"]
+            assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+            # the trainer holds no descriptor of it any more: only the name and ours
+            own = []
+            for n in os.listdir("/proc/self/fd"):
+                try:
+                    own.append(os.readlink(f"/proc/self/fd/{n}"))
+                except FileNotFoundError:
+                    pass  # the listing's own descriptor
+            assert own.count(reply["offload"]["spill"]["path"]) == 1
+            take.release_all({os.getpid(): {"socket": path}}, {os.getpid(): got})
+            got.close()
+        else:
+            assert fds == [] and "spill" not in reply["offload"], reply
+            take.release_all({os.getpid(): {"socket": path}})
+        trainer.join(10)
+        assert not trainer.is_alive()
+        now = [p.detach() for p in model.parameters()] + \
+            [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        assert all(torch.equal(a, b) for a, b in zip(now, saved))
+        assert list(shm.iterdir()) == []
+
+
+def _fd_of(shm: Path, name: str, size: int) -> int:
+    p = shm / name
+    p.write_bytes(b"x" * size)
+    return os.open(p, os.O_RDONLY)
+
+
+def test_an_answer_whose_file_does_not_match_it_is_refused_and_its_descriptors_closed(shm: Path,
+                                                                                      tmp_path: Path) -> None:
+    """The executor takes a spill only as the take point makes it: asked for, one descriptor, a
+    regular file on a tmpfs of the size reported, holding the bytes moved (not a sparse file of
+    any size), under an absolute name of this pid's; anything else is refused (ValueError) with
+    every descriptor that came closed. A malformed answer is refused the same way."""
+    name = "snapguard-take-7-0123456789abcdef"
+
+    def answer(path: object = str(shm / name), size: object = 8192, moved: object = 8000,
+               storages: object = 2) -> dict[str, object]:
+        return {"ok": True, "offload": {"bytes": moved, "storages": storages,
+                                        "spill": {"path": path, "bytes": size}}}
+
+    fd = _fd_of(shm, name, 8192)
+    spill = take.Spill.received(7, answer(), [fd])
+    assert spill is not None and spill.fd == fd and os.get_inheritable(fd) is False
+    spill.close()
+    assert take.Spill.received(7, {"ok": True, "offload": {"state": "moved"}}, []) is None
+    assert take.Spill.received(7, {"ok": True}, [], asked=False) is None
+    cases = [
+        (answer(size=4096), "a size that is not the file's"),
+        (answer(path="/etc/passwd"), "not the take point's name"),
+        (answer(path=str(shm / "snapguard-take-8-0123456789abcdef")), "another pid's name"),
+        (answer(path=f"{shm}/../{shm.name}/{name}"), "a path not normal"),
+        (answer(path=name), "a relative path"),
+        (answer(size=True), "a bool"),
+        (answer(moved=100, storages=1), "far more bytes than moved: a sparse file"),
+        (answer(moved=9000), "more moved than the file holds"),
+        (answer(), "two descriptors"),
+        ({"ok": True, "offload": {"state": "moved"}}, "a descriptor for no spill"),
+        (answer(), "no descriptor"),
+        (answer(), "not asked"),
+        ({"ok": True, "offload": "x"}, "a malformed answer"),
+    ]
+    for reply, why in cases:
+        fds = [] if why == "no descriptor" else [_fd_of(shm, name, 8192)]
+        if why == "two descriptors":
+            fds.append(_fd_of(shm, "other", 10))
+        with pytest.raises(ValueError):
+            take.Spill.received(7, reply, fds, asked=why != "not asked")
+        for n in fds:
+            with pytest.raises(OSError):
+                os.fstat(n)  # closed
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(ValueError):
+        take.Spill.received(7, answer(), [r])
+    (shm / name).unlink()
+    sparse = os.open(shm / name, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(sparse, 8192)  # the size, but no bytes in it
+    with pytest.raises(ValueError, match="holding"):
+        take.Spill.received(7, answer(), [sparse])
+    probe = os.open(tmp_path, os.O_RDONLY)
+    disk = files.fs_type(probe) != files.TMPFS_MAGIC
+    os.close(probe)
+    if not disk:
+        pytest.skip("the test directory is on a tmpfs: the refusal of a file not in memory is not checked here")
+    (tmp_path / name).write_bytes(b"x" * 8192)  # a file that is not in memory (a FUSE file's reads could hang)
+    with pytest.raises(ValueError, match="not on a tmpfs"):
+        take.Spill.received(7, answer(path=str(tmp_path / name)), [os.open(tmp_path / name, os.O_RDONLY)])
+
+
+def test_the_executor_removes_only_the_trainers_own_file_by_its_name(shm: Path) -> None:
+    """After a stop snapshot the trainer's name of its file goes, but only while that name is
+    the very file handed over and owned by the trainer's user: a name swapped for another file
+    (a link, or another file of anyone's) stays."""
+    name = "snapguard-take-9-0123456789abcdef"
+    fd = _fd_of(shm, name, 4096)
+    spill = take.Spill(9, fd, str(shm / name), 4096)
+    assert not spill.remove_source(os.getuid() + 1)  # someone else's
+    assert not spill.remove_source(None)
+    os.rename(shm / name, shm / "moved-away")
+    (shm / "other").write_bytes(b"y")
+    os.symlink(shm / "other", shm / name)
+    assert not spill.remove_source(os.getuid()) and (shm / name).is_symlink()
+    os.unlink(shm / name)
+    os.rename(shm / "moved-away", shm / name)
+    assert spill.remove_source(os.getuid()) and not (shm / name).exists()
+    spill.close()
+
+
+def test_a_file_copy_writes_every_byte_and_refuses_an_existing_name(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files.FileCopy, "CHUNK", 4096)
+    data = os.urandom(4096 * 9 + 123)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    dir_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with open(src, "rb") as f:
+            copy = files.FileCopy(f.fileno(), dir_fd, "a.bin", len(data))
+            copy.start()
+            copy.wait()
+            copy.close()
+            assert copy.seconds is not None
+        assert (out / "a.bin").read_bytes() == data and stat.S_IMODE((out / "a.bin").stat().st_mode) == 0o600
+        os.symlink(src, out / "b.bin")
+        with open(src, "rb") as f, pytest.raises(FileExistsError):
+            files.FileCopy(f.fileno(), dir_fd, "b.bin", len(data))  # never written through a link
+        assert src.read_bytes() == data
+        with open(src, "rb") as f:  # a source shorter than said
+            copy = files.FileCopy(f.fileno(), dir_fd, "c.bin", len(data) + 5000)
+            copy.start()
+            with pytest.raises(OSError, match="short"):
+                copy.wait()
+            copy.close()
+        real_sendfile = os.sendfile
+
+        def stuck(*args):  # type: ignore[no-untyped-def]
+            threading.Event().wait(1.0)
+            return real_sendfile(*args)
+
+        monkeypatch.setattr(os, "sendfile", stuck)
+        with open(src, "rb") as f:  # past its deadline: an error, not a hang
+            copy = files.FileCopy(f.fileno(), dir_fd, "e.bin", len(data))
+            copy.start()
+            with pytest.raises(OSError, match="not written within"):
+                copy.wait(0.2)
+            copy.close()
+        monkeypatch.setattr(os, "sendfile", real_sendfile)
+        with open(src, "rb") as f:  # never started
+            copy = files.FileCopy(f.fileno(), dir_fd, "d.bin", len(data))
+            with pytest.raises(OSError, match="0 of"):
+                copy.wait()
+            copy.close()
+    finally:
+        os.close(dir_fd)
+
+
+def test_a_manifest_names_a_spill_only_as_snapguard_writes_it(tmp_path: Path) -> None:
+    def manifest(pid_key: str, file: object, size: object, listed: int | None = 8192) -> dict[str, object]:
+        return {"take_point": {pid_key: {"ok": True, "offload": {"spill": {"file": file, "bytes": size}}}},
+                "files": {"snapguard-take-5.bin": {"size": listed}} if listed is not None else {}}
+
+    assert _spill.image_spills(manifest("5", "snapguard-take-5.bin", 8192), str(tmp_path)) == \
+        {5: ("snapguard-take-5.bin", 8192)}
+    assert _spill.image_spills({"take_point": {"5": {"ok": True, "offload": {"state": "moved"}}}}, "x") == {}
+    for bad in (manifest("5", "../pages-1.img", 8192), manifest("6", "snapguard-take-5.bin", 8192),
+                manifest("5", "snapguard-take-5.bin", 4096), manifest("5", "snapguard-take-5.bin", 8192, None),
+                manifest("x", "snapguard-take-5.bin", 8192), manifest("5", ["a"], 8192)):
+        with pytest.raises(SnapguardError) as e:
+            _spill.image_spills(bad, str(tmp_path))
+        assert e.value.failure.reason is Reason.MANIFEST_INVALID
+
+    (tmp_path / "snapguard-take-5.bin").write_bytes(b"z" * 100)
+    with pytest.raises(SnapguardError) as e:
+        _spill.open_image_spills(str(tmp_path), {5: ("snapguard-take-5.bin", 8192)})
+    assert e.value.failure.reason is Reason.IMAGE_CORRUPT
+    got = _spill.open_image_spills(str(tmp_path), {5: ("snapguard-take-5.bin", 100)})
+    assert os.fstat(got[5].fd).st_size == 100
+    got[5].close()
+    os.unlink(tmp_path / "snapguard-take-5.bin")
+    os.symlink("/etc/hostname", tmp_path / "snapguard-take-5.bin")
+    with pytest.raises(SnapguardError) as e:  # never followed
+        _spill.open_image_spills(str(tmp_path), {5: ("snapguard-take-5.bin", 100)})
+    assert e.value.failure.reason is Reason.IMAGE_CORRUPT
+
+
+def test_a_request_carries_at_most_its_descriptors_to_the_take_point() -> None:
+    """Descriptors sent with anything but a release are closed by the take point, not kept."""
+    from snapguard.hooks._workload import _answer
+
+    point = _TakePoint()
+    r, w = os.pipe()
+    reply, handed = _answer(point, ["status"], [r])
+    assert reply["ok"] and handed is None
+    with pytest.raises(OSError):
+        os.fstat(r)
+    os.close(w)
+
+
+def test_a_release_counts_only_for_the_hold_under_way() -> None:
+    """A release that comes when no hold is under way (its hold ended by itself) gives the take
+    point nothing to keep: a later hold would reload older bytes from it. A new take drops one
+    that is left."""
+    point = _TakePoint()
+    r, w = os.pipe()
+    point.release([r])
+    assert point.release_fd is None
+    with pytest.raises(OSError):
+        os.fstat(r)
+    os.close(w)
+    point.holding = True
+    r, w = os.pipe()
+    extra, w2 = os.pipe()
+    point.release([r, extra])
+    assert point.release_fd == r
+    with pytest.raises(OSError):
+        os.fstat(extra)
+    point.arm(None, 1.0)
+    assert point.release_fd is None
+    with pytest.raises(OSError):
+        os.fstat(r)
+    os.close(w)
+    os.close(w2)
+
+
+def test_a_spilled_hold_whose_file_name_is_gone_waits_for_its_release(shm: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past SNAPGUARD_TAKE_HOLD_S a hold goes on by itself, reloading from its file's name; when
+    that name is gone (the executor removed it after a stop snapshot; another node's restore has
+    none), the trainer cannot go on without the release's file and waits for it, instead of
+    failing: a trainer restored long after its hold began (its wait's deadline long past on the
+    clock of the node it is restored on) is released normally."""
+    from snapguard.hooks import _workload
+
+    monkeypatch.setattr(_workload, "_HOLD_S", 0.2)
+    model, opt = _stepped_trainer(monkeypatch, shm, 32)
+    saved = [p.detach().clone() for p in model.parameters()]
+    point = _TakePoint()
+    point.arm(None, 5.0, spill=True)
+    trainer = threading.Thread(target=point.at_step_end, args=(opt, (), {}))
+    trainer.start()
+    assert point.reached.wait(10)
+    fd = point.pop_handover()
+    assert fd is not None
+    path = Path(point.figures["offload"]["spill"]["path"])
+    os.unlink(path)  # as after a stop snapshot
+    trainer.join(0.8)  # four times its hold limit
+    assert trainer.is_alive(), "the hold went on without its bytes"
+    point.release([fd])  # the release passes the file (the image's, after a restore)
+    trainer.join(10)
+    assert not trainer.is_alive()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), saved))
+    assert list(shm.iterdir()) == []
+
+
+def test_the_executor_never_follows_a_link_on_the_way_to_the_name_it_removes(shm: Path) -> None:
+    """The trainer reports the path; a directory on it swapped for a link (here, from the start)
+    sends the executor nowhere: the name is removed only through real directories."""
+    name = "snapguard-take-9-0123456789abcdef"
+    (shm / "real").mkdir()
+    fd = _fd_of(shm / "real", name, 4096)
+    os.symlink(shm / "real", shm / "link")
+    for path in (str(shm / "link" / name), f"real/{name}"):
+        assert not take.Spill(9, fd, path, 4096).remove_source(os.getuid())
+        assert (shm / "real" / name).exists()
+    spill = take.Spill(9, fd, str(shm / "real" / name), 4096)
+    assert spill.remove_source(os.getuid()) and not (shm / "real" / name).exists()
+    spill.close()
+
+
+def test_a_partial_spilled_take_keeps_its_moved_bytes_in_one_run_from_the_start(shm: Path) -> None:
+    """Past the deadline a spilled take stops at the first storage it cannot copy in time (no
+    hole between moved ones: here the first, so nothing moves and no file stays), and a file
+    handed over is cut after the last moved byte: the executor's copy has no hole to write."""
+    import time
+
+    small, large = torch.arange(16.0), torch.empty(64 << 20)  # 256 MiB after it, largest first: large, small
+    offload = _Offload("cpu")
+    figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.25, spill_dir=str(shm))
+    assert figures["state"] == "partial" and figures["storages"] == 0 and "spill" not in figures, figures
+    assert offload.spill_fd is None and list(shm.iterdir()) == []
+    offload.reload(torch)
+    # the cut: a spill handed over ends at its last moved byte
+    arena = _SpillArena(torch, 3 * 4096, str(shm))
+    arena.bytes[:4096] = 7
+    fd = arena.handover(4096)
+    assert fd is not None and os.fstat(fd).st_size == 4096 == arena.size and arena.map is None
+    assert os.pread(fd, 4096, 0) == bytes([7]) * 4096
+    os.close(fd)
+    arena.discard()
+    assert list(shm.iterdir()) == []
+
+
+def test_no_room_for_the_spills_in_the_image_is_found_before_anything_is_frozen(
+        shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image's filesystem must hold every spill: checked when they are handed over (the
+    trainers held, nothing frozen yet), typed IMAGE_WRITE_FAILED, no file made, the spill's own
+    name left for its trainer."""
+    name = "snapguard-take-7-0123456789abcdef"
+    spill = take.Spill(7, _fd_of(shm, name, 8192), str(shm / name), 8192)
+    figures = {7: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
+    real = os.fstatvfs
+
+    class Full:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: Full(real(fd)))
+    with pytest.raises(SnapguardError) as e:
+        _spill.SpillCopies(str(tmp_path), {7: spill}, figures)
+    assert e.value.failure.reason is Reason.IMAGE_WRITE_FAILED and "nothing was frozen" in str(e.value)
+    assert list(tmp_path.iterdir()) == [] and (shm / name).exists() and "file" not in figures[7]["offload"]["spill"]
+    spill.close()
+
+
+def test_a_spills_name_goes_with_its_trainer_and_stays_while_it_lives(shm: Path, tmp_path: Path) -> None:
+    """When a snapshot ends, the executor removes the name of each spill whose trainer is gone; a
+    stop snapshot's trainers, which CRIU killed without waiting, are given a moment to go. A
+    trainer that lives keeps its name (it removes it at its reload)."""
+    import subprocess
+    import sys
+
+    for ended in (False, True):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
+        name = f"snapguard-take-{child.pid}-0123456789abcdef"
+        spill = take.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
+        figures = {child.pid: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
+        image_dir = tmp_path / f"img-{ended}"
+        image_dir.mkdir()
+        copies = _spill.SpillCopies(str(image_dir), {child.pid: spill}, figures)
+        copies.trainers_ended = ended
+        copies.close()
+        assert (shm / name).exists() is not ended
+        child.wait()
+        (shm / name).unlink(missing_ok=True)
+
