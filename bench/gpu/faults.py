@@ -6,7 +6,10 @@ state `running`) or cleanly stopped with a whole image.
 
 Rows (leave-running unless said):
   cuda-lock       another tool holds the CUDA lock -> CUDA_CHECKPOINT_FAILED at the lock, unlocked
-  page-dump       the image dir is a 64 MiB tmpfs: CRIU's page dump hits ENOSPC -> CRIU_DUMP_FAILED
+  page-dump       the image dir is a 64 MiB tmpfs: CRIU's page dump hits ENOSPC -> CRIU_DUMP_FAILED;
+                  with --take-point and the spill (a bare trainer's moved bytes in a file the executor
+                  writes) the executor finds no room for them before anything is frozen ->
+                  IMAGE_WRITE_FAILED (run 12e found PREFLIGHT_FAILED, the reason it had then)
   criu-killed     CRIU SIGKILLed while the GPU state is checkpointed -> CRIU_DUMP_FAILED, restored
   criu-hang       CRIU hangs (a wrapper that sleeps on `dump`), criu_timeout_s 1: snapguard's deadline
                   kills it -> CRIU_TIMEOUT, CUDA restored
@@ -140,6 +143,12 @@ def _row(name: str, pid: int | None, driver: Any, run: Any) -> dict[str, Any]:
 def main() -> int:
     args = [a for a in sys.argv[1:] if a != "--take-point"]
     hooked = len(args) < len(sys.argv) - 1
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
+    if any(a.startswith("-") for a in args) or not 1 <= len(args) <= 2 or (len(args) == 2 and not args[1].isdigit()):
+        print("usage: faults.py OUT_DIR [STEPS] [--take-point]  (--help: what it runs)", file=sys.stderr)
+        return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)  # written last, after minutes of rows: make sure it can be
     steps = int(args[1]) if len(args) > 1 else 200
