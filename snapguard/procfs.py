@@ -23,9 +23,9 @@ from .reasons import Reason, SnapguardError
 
 __all__ = [
     "Inventory", "ProcInfo", "cpu_info", "established_tcp", "host_facts", "internal_only", "inventory",
-    "mem_available_bytes", "euid", "nspid", "own_mntns", "own_netns", "parse_maps", "process_state", "process_tree", "procfs_path",
+    "alive", "mem_available_bytes", "euid", "nspid", "own_mntns", "own_netns", "parse_maps", "process_state", "process_tree", "procfs_path",
     "read_proc", "set_procfs_path", "tree_tcp", "using_procfs", "check_target", "proc_text",
-    "cgroup_memory_headroom", "pid_map",
+    "cgroup_memory_headroom", "pid_map", "start_ticks",
 ]
 
 _procfs = "/proc"
@@ -131,6 +131,19 @@ def process_state(pid: int, proc: str | None = None) -> str:
     """The state letter of /proc/PID/stat (R, S, Z...), or "gone"."""
     fields = _stat_fields(pid, proc)
     return fields[0] if fields else "gone"
+
+
+def alive(pid: int, proc: str | None = None) -> bool:
+    """Whether pid runs: neither gone nor a zombie (nor dead, X)."""
+    return process_state(pid, proc) not in ("gone", "Z", "X")
+
+
+def start_ticks(pid: int, proc: str | None = None) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat's field 22): with the
+    pid, a name for one process that a later process given the same pid does not share. None
+    when it is gone."""
+    fields = _stat_fields(pid, proc)
+    return int(fields[19]) if fields and len(fields) > 19 and fields[19].isdigit() else None
 
 
 def _status(pid: int, proc: str | None) -> dict[str, str] | None:

@@ -256,7 +256,7 @@ def end_tree(pid: int, wait_s: float = 10.0) -> bool:
             pass
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if all(not alive(p) for p in pids):
+        if all(not procfs.alive(p) for p in pids):
             return True
         time.sleep(0.02)
     return False
@@ -264,7 +264,3 @@ def end_tree(pid: int, wait_s: float = 10.0) -> bool:
 
 def log_path(req: Request, restore: bool) -> str:
     return req.path(RESTORE_LOG if restore else DUMP_LOG)
-
-
-def alive(pid: int) -> bool:
-    return procfs.process_state(pid) not in ("gone", "Z", "X")

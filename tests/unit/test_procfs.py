@@ -82,9 +82,26 @@ def test_one_procfs_root_for_every_read(tmp_path: Path) -> None:
         assert procfs.nspid(4242) == 7
         assert procfs.euid(4242) == 1001 and procfs.euid(4243) is None  # the effective one; gone
         assert procfs.process_state(4242) == "S"
+        assert procfs.alive(4242) and not procfs.alive(4243)
+        assert procfs.start_ticks(4242) is None  # a stat line cut short says no start
     assert procfs.procfs_path() == "/proc"
     assert procfs.process_state(4242, proc=str(root)) == "S"
 
 
 def test_ordinary_process_is_a_valid_target() -> None:
     assert procfs.process_tree(os.getpid())[0] == os.getpid()
+
+
+def test_a_process_start_names_it_apart_from_a_later_one_with_its_pid(tmp_path: Path) -> None:
+    """start_ticks is /proc/PID/stat's field 22 (counted with the comm, which may hold spaces and
+    parentheses), the same at every read; a zombie is not alive."""
+    root = tmp_path / "proc"
+    (root / "77").mkdir(parents=True)
+    fields = ["Z", "1"] + [str(n) for n in range(5, 22)] + ["123456", "0"]
+    (root / "77" / "stat").write_text("77 (x) y) z) " + " ".join(fields) + "\n")
+    assert procfs.start_ticks(77, proc=str(root)) == 123456 and not procfs.alive(77, proc=str(root))
+    own = procfs.start_ticks(os.getpid())
+    assert isinstance(own, int) and own == procfs.start_ticks(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert procfs.start_ticks(child.pid) is None and not procfs.alive(child.pid)
