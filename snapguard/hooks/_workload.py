@@ -1088,6 +1088,9 @@ class _TakePoint:
         self.handover_fd: int | None = None  # that file's descriptor, until the take's answer carries it
         self.release_fd: int | None = None  # the file the release passed back, to reload from
         self.holding = False  # between the hold's figures and its end: a release's file is for it
+        # from the spill's file made to the reload's end: the file is mapped or open, and a dump
+        # then (the executor's wait ran out: it snapshots without the hold) would need it
+        self.spill_busy = False
 
     def arm(self, at_step: int | None, wait_s: float = 10.0, spill: bool = False) -> None:
         with self.lock:
@@ -1136,7 +1139,11 @@ class _TakePoint:
             if holding:
                 self.hold_at = None
         if holding:
-            self._hold(optimizer)
+            try:
+                self._hold(optimizer)
+            finally:
+                with self.lock:
+                    self.spill_busy = False
         elif self.resolve:
             try:
                 self.pool.on_step()
@@ -1148,7 +1155,7 @@ class _TakePoint:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"resolve": self.resolve,
                                "gpu_handles_dropped_in_children": self.resolve and _fork_handler is not None,
-                               "spill": _spill_dir() is not None}
+                               "spill": _spill_dir() is not None, "spill_busy": self.spill_busy}
         if self.resolve:
             try:
                 out["compile_pool"] = self.pool.status()
@@ -1185,12 +1192,20 @@ class _TakePoint:
         # more is neither to be moved nor kept: collected once, before the move and the cache's
         # emptying (which then returns its device memory too), and the freed heap given back below.
         gc.collect()
-        if _offload_on() and (cuda or device == "cpu"):
+        with self.lock:
+            # the executor stopped waiting (disarm) or let go already: the snapshot goes on without
+            # the hold, and a move now would only put a second copy into it, or, spilled, leave the
+            # process with a file outside the image open. Decided under the lock disarm takes, so
+            # that a spill begun is one the executor's status asks find busy.
+            move = not self.released.is_set() and _offload_on() and (cuda or device == "cpu")
+            spill_dir = _spill_dir() if move and self.spill else None
+            self.spill_busy = spill_dir is not None
+        if move:
             offload = _Offload(device)
             # what is not moved by then stays for the driver's checkpoint: the executor's wait
             # (which the step before the hold already used part of) also covers the trim below
             offload.take(torch, _optimizer_tensors(torch, optimizer), gc.get_objects(),
-                         deadline=self.armed_at + 0.7 * self.wait_s, spill_dir=_spill_dir() if self.spill else None)
+                         deadline=self.armed_at + 0.7 * self.wait_s, spill_dir=spill_dir)
             with self.lock:
                 self.handover_fd, offload.spill_fd = offload.spill_fd, None
         if cuda:

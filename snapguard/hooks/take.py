@@ -31,7 +31,7 @@ from typing import Any
 from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["Spill", "hold", "release_all", "socket_for", "stray_under", "trainers"]
+__all__ = ["Spill", "hold", "release_all", "remove_spill_name", "socket_for", "stray_under", "trainers"]
 
 
 def socket_for(pid: int, proc: str | None = None) -> str | None:
@@ -157,37 +157,48 @@ class Spill:
 
     def remove_source(self, uid: int | None) -> bool:
         """Remove the trainer's name of the file (its trainer is gone), when that name still is
-        this file, owned by `uid` (the trainer's): never any other file the path may name by now.
-        The directories on the way are opened one by one without following a link (the trainer
-        could swap one for a link elsewhere between a check and the unlink); the name is then
-        checked and removed through that directory. Whether it was removed."""
-        if uid is None or self.fd < 0 or not self.path.startswith("/"):
+        this file, owned by `uid` (the trainer's); whether it was removed (`remove_spill_name`)."""
+        if self.fd < 0:
             return False
-        parts = [p for p in os.path.dirname(self.path).split("/") if p]
-        try:
-            dir_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            for part in parts:
-                next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-                os.close(dir_fd)
-                dir_fd = next_fd
-            name = os.path.basename(self.path)
-            st, mine = os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino) or st.st_uid != uid:
-                return False
-            os.unlink(name, dir_fd=dir_fd)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(dir_fd)
+        mine = os.fstat(self.fd)
+        return remove_spill_name(self.path, mine.st_dev, mine.st_ino, uid)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run: bool = False) -> bool:
+    """Remove the name `path` of a spill whose trainer is gone, when it still names that file
+    (`dev`, `ino`), a regular one owned by `uid` (the trainer's): never any other file the path
+    may name by now. The directories on the way are opened one by one without following a link
+    (the trainer could swap one for a link elsewhere between a check and the unlink); the name is
+    then checked and removed through that directory. Whether it was removed (`dry_run`: whether
+    the name still is that file, left as it is)."""
+    if uid is None or not path.startswith("/"):
+        return False
+    parts = [p for p in os.path.dirname(path).split("/") if p]
+    try:
+        dir_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        for part in parts:
+            next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        name = os.path.basename(path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino) or st.st_uid != uid:
+            return False
+        if not dry_run:
+            os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(dir_fd)
 
 
 def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, Any]]:
@@ -249,9 +260,35 @@ def _hold_one(path: str, pid: int, wait_s: float, spill: bool,
                              "released, nothing was frozen", evidence={"pid": pid})
     if reply.get("ok"):
         return reply, None
+    if spill:
+        _spill_settled(path, pid, wait_s)
     return None, Finding(Reason.TAKE_POINT_TIMEOUT,
                          f"pid {pid} did not reach a step boundary within {wait_s:g} s ({reply.get('error')})",
                          Severity.WARNING, {"pid": pid})
+
+
+def _spill_settled(path: str, pid: int, wait_s: float) -> None:
+    """After a take asked to spill ran out of time: the trainer may have begun it all the same
+    (it reached its step boundary just as the wait ran out). Until its reload ends it has the
+    spill's file mapped or open, and an image then would need that file, outside the image: it
+    could be restored only where the file still is. Wait up to `wait_s` for the trainer's status
+    to say it is done; refuse the snapshot, nothing frozen, when it does not. A trainer that does
+    not answer its status is left to the snapshot as before (it cannot be told to be spilling)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            busy = _ask(path, "status\n", 5.0).get("spill_busy") is True
+        except (OSError, ValueError):
+            return
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            raise SnapguardError(Reason.PREFLIGHT_FAILED,
+                                 f"pid {pid} reached its take point as the wait ran out and is still moving its "
+                                 f"optimizer's bytes through a file of its own {wait_s:g} s later: an image now "
+                                 "would need that file; nothing was frozen, the trainer goes on",
+                                 evidence={"pid": pid})
+        time.sleep(0.05)
 
 
 def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: set[int],
@@ -356,7 +393,7 @@ def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
     pool = [p for f in held.values() for p in ((f.get("compile_pool") or {}).get("pids") or [])]
     deadline = time.monotonic() + wait_s
     while pool and time.monotonic() < deadline:
-        pool = [p for p in pool if procfs.process_state(p) not in ("gone", "Z", "X")]
+        pool = [p for p in pool if procfs.alive(p)]
         if pool:
             time.sleep(0.02)
     stray = stray_under(sorted(found), cuda_pids) if found else []

@@ -28,7 +28,7 @@ from ..reasons import Finding, Reason, SnapguardError
 from ..trust import UntrustedPathError
 from . import _spill
 from ._request import Request
-from ._runners import Runner, alive, log_path
+from ._runners import Runner, log_path
 
 __all__ = ["checkpoint", "restore"]
 
@@ -164,9 +164,10 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
+            journal = _sweep_spills(config, steps) if spill and found else None
             figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
             try:
-                copies = _spill.SpillCopies(req.image_dir, spills, figures)
+                copies = _spill.SpillCopies(req.image_dir, spills, figures, journal)
             except BaseException:
                 take.release_all(found, spills)
                 for held_spill in spills.values():
@@ -216,7 +217,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             wedged = gpu_suspend.wedged(outcomes)
             evidence = {**runner.identity(), "cuda_recovery": outcomes, "log": log}
             if failure is not None:
-                failure.failure.workload_intact = alive(pid) and not wedged
+                failure.failure.workload_intact = procfs.alive(pid) and not wedged
                 failure.failure.evidence.update(evidence)
                 failure.failure.warnings = warnings
                 raise failure
@@ -224,7 +225,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
                 quoted, errors = _criu_errors(log)
                 raise SnapguardError(Reason.CRIU_DUMP_FAILED,
                                      quoted or runner.failure_detail() or f"exit {rc}, no CRIU error in {log}",
-                                     workload_intact=alive(pid) and not wedged,
+                                     workload_intact=procfs.alive(pid) and not wedged,
                                      evidence={**evidence, "exit": rc, "errors": errors}, warnings=warnings)
             if wedged:
                 raise SnapguardError(Reason.CUDA_STATE_WEDGED, f"after the dump: {wedged}", workload_intact=False,
@@ -241,7 +242,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
                                      gpu_facts, known)
             except SnapguardError as e:
                 # a stop snapshot's workload is gone with CRIU's dump: its unmarked image is all there is
-                e.failure.workload_intact = req.leave_running and alive(pid)
+                e.failure.workload_intact = req.leave_running and procfs.alive(pid)
                 e.failure.evidence.setdefault("image", req.image_dir)
                 e.failure.evidence["image_marked"] = False
                 e.failure.warnings = warnings
@@ -451,7 +452,7 @@ def _cuda_broker(run_dir: criu.RunDir, gpu: bool, config: Config, steps: _Steps)
 def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     """The restored root runs, and every process the image had a CUDA context in is `running`.
     A container's processes keep their pids inside its namespace: they are found by those."""
-    if not alive(pid):
+    if not procfs.alive(pid):
         raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"the restored process {pid} is gone",
                              workload_intact=False, evidence={"pid": pid})
     wanted = [p.get("nspid", p["pid"]) for p in manifest.get("processes") or [] if p.get("gpu")]
@@ -470,6 +471,18 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
         raise SnapguardError(Reason.CUDA_RESTORE_FAILED, f"restored CUDA processes are not running: {states}",
                              workload_intact=False, evidence={"states": states})
     return states
+
+
+def _sweep_spills(config: Config, steps: _Steps) -> str:
+    """The spill journal's directory in the state directory, swept first: the names of spills
+    whose trainers are gone, left by an executor that died before it could remove them
+    (`_spill.sweep`), removed now."""
+    journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
+    with steps.timed("spill_sweep"):
+        removed = _spill.sweep(journal)
+    if removed:
+        steps.counts["spills_removed"] = len(removed)
+    return journal
 
 
 def _release_restored(runner: Runner, req: Request, pid: int, wanted: dict[int, tuple[str, int]], steps: _Steps,
@@ -538,6 +551,8 @@ def restore(runner: Runner, req: Request, config: Config, *,
     with _claimed(config, [], req.image_dir):
         with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
             files.ensure_private_dir(req.work_dir)
+            if wanted:
+                _sweep_spills(config, steps)
         digests.start()  # a held workload's image is hashed while CRIU reads it
         try:
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \

@@ -6,11 +6,18 @@ file of its own on a tmpfs and hands it over: `SpillCopies` writes each such fil
 (leave-running), so that CRIU writes only what stays in the process. The manifest's take_point
 names the file (`offload.spill.file`); `image_spills` reads those names back for a restore, which
 passes each trainer its image file with the release (`open_image_spills`).
+
+Each spill handed over is also recorded in the state directory (root's alone) until its name is
+gone: an executor killed after a stop snapshot's dump, before it could remove the names of its
+trainers' spills, leaves them (each as large as an optimizer's state, in memory) to the next
+snapshot or restore on the node, which sweeps them (`sweep`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import time
 from typing import Any
@@ -18,17 +25,102 @@ from typing import Any
 from .. import files, names, procfs
 from ..hooks import take
 from ..reasons import Reason, SnapguardError
-from ._runners import alive
 
-__all__ = ["SpillCopies", "image_spills", "open_image_spills"]
+
+__all__ = ["SpillCopies", "image_spills", "open_image_spills", "sweep"]
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class SpillCopies:
-    """The copies of `spills` into the image directory, named in each trainer's figures."""
+_RECORD = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.json")  # _record_name's
+_RECORD_MAX = 4096
 
-    def __init__(self, image_dir: str, spills: dict[int, take.Spill], figures: dict[int, dict[str, Any]]) -> None:
+
+def _record_name(pid: int, start: int, ino: int) -> str:
+    return f"{pid}-{start}-{ino}.json"
+
+
+def _record(journal_dir: str, spill: take.Spill, uid: int | None) -> str | None:
+    """A record of `spill` in `journal_dir`: its trainer (pid and start), its name and file, and
+    its owner; the record's name, or None when the trainer is gone or its owner unknown already."""
+    start = procfs.start_ticks(spill.pid)
+    if uid is None or start is None or spill.fd < 0:
+        return None
+    st = os.fstat(spill.fd)
+    name = _record_name(spill.pid, start, st.st_ino)
+    files.write_private_json(os.path.join(journal_dir, name), {
+        "pid": spill.pid, "start": start, "path": spill.path, "dev": st.st_dev, "ino": st.st_ino, "uid": uid})
+    return name
+
+
+def _forget(journal_dir: str, name: str) -> None:
+    try:
+        os.unlink(os.path.join(journal_dir, name))
+    except FileNotFoundError:
+        pass
+
+
+def _read_record(dir_fd: int, name: str) -> dict[str, Any] | None:
+    """A record as `_record` writes it; None for anything else (never acted on)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, _RECORD_MAX + 1)
+        record = json.loads(data) if len(data) <= _RECORD_MAX else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    ints = ("pid", "start", "dev", "ino", "uid")
+    if not isinstance(record, dict) or set(record) != {*ints, "path"} or \
+            not all(type(record[k]) is int and record[k] >= 0 for k in ints) or \
+            not isinstance(record["path"], str) or \
+            not names.TAKE_SPILL_SOURCE.fullmatch(os.path.basename(record["path"])) or \
+            name != _record_name(record["pid"], record["start"], record["ino"]):
+        return None
+    return record
+
+
+def sweep(journal_dir: str) -> list[str]:
+    """Remove the name of every recorded spill whose trainer is gone (no process of its pid and
+    start) and that still names the file recorded, owned by the trainer's user; drop the records
+    of those and of every spill whose name is already gone (the trainer reloaded). A record of a
+    trainer that lives, whose name is still its file, stays. The names removed."""
+    removed: list[str] = []
+    dir_fd = os.open(journal_dir, _O_DIR)
+    try:
+        for entry in os.scandir(dir_fd):
+            if not _RECORD.fullmatch(entry.name):
+                continue
+            record = _read_record(dir_fd, entry.name)
+            keep = False
+            if record is not None:
+                path, dev, ino, uid = record["path"], record["dev"], record["ino"], record["uid"]
+                if take.remove_spill_name(path, dev, ino, uid, dry_run=True):
+                    if procfs.alive(record["pid"]) and procfs.start_ticks(record["pid"]) == record["start"]:
+                        keep = True
+                    elif take.remove_spill_name(path, dev, ino, uid):
+                        removed.append(path)
+            if not keep:
+                try:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+    finally:
+        os.close(dir_fd)
+    return removed
+
+
+class SpillCopies:
+    """The copies of `spills` into the image directory, named in each trainer's figures; each
+    spill recorded in `journal_dir` (see `sweep`) until its name is gone."""
+
+    def __init__(self, image_dir: str, spills: dict[int, take.Spill], figures: dict[int, dict[str, Any]],
+                 journal_dir: str | None = None) -> None:
         self.spills = spills
         self.copies: dict[int, files.FileCopy] = {}
         self.started = False
@@ -37,7 +129,13 @@ class SpillCopies:
         # the trainers' owners, read while they run: a stop snapshot's trainer is gone when its
         # spill's name is removed, and only a file of its owner's is
         self.uids = {pid: procfs.euid(pid) for pid in spills}
+        self.journal_dir = journal_dir
+        self.records: dict[int, str] = {}
         try:
+            if journal_dir is not None:
+                for pid, spill in spills.items():
+                    if (record := _record(journal_dir, spill, self.uids[pid])) is not None:
+                        self.records[pid] = record
             if spills:
                 st = os.fstatvfs(self._dir_fd)
                 needed = sum(spill.size for spill in spills.values())
@@ -83,10 +181,11 @@ class SpillCopies:
         # take a while to become a zombie, given that while (10 s at most)
         deadline = time.monotonic() + (10.0 if self.trainers_ended else 0.0)
         for pid, spill in self.spills.items():
-            while (running := alive(pid)) and time.monotonic() < deadline:
+            while (running := procfs.alive(pid)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if not running:
-                spill.remove_source(self.uids.get(pid))
+            if not running and spill.remove_source(self.uids.get(pid)) and pid in self.records:
+                assert self.journal_dir is not None
+                _forget(self.journal_dir, self.records.pop(pid))
             spill.close()
         if self._dir_fd >= 0:
             os.close(self._dir_fd)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -498,9 +500,6 @@ def test_a_spills_name_goes_with_its_trainer_and_stays_while_it_lives(shm: Path,
     """When a snapshot ends, the executor removes the name of each spill whose trainer is gone; a
     stop snapshot's trainers, which CRIU killed without waiting, are given a moment to go. A
     trainer that lives keeps its name (it removes it at its reload)."""
-    import subprocess
-    import sys
-
     for ended in (False, True):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
         name = f"snapguard-take-{child.pid}-0123456789abcdef"
@@ -515,3 +514,161 @@ def test_a_spills_name_goes_with_its_trainer_and_stays_while_it_lives(shm: Path,
         child.wait()
         (shm / name).unlink(missing_ok=True)
 
+
+
+def _trainer_child(seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def test_an_executor_that_dies_leaves_its_spills_to_the_next_sweep(shm: Path, tmp_path: Path) -> None:
+    """Each spill handed over is recorded until its name is gone. An executor that never closed
+    its copies (killed after a stop snapshot's dump) leaves the record: the next sweep keeps it
+    while the trainer runs, and once the trainer is gone removes its name and the record. A
+    record whose name the trainer already removed (its reload) is dropped, the trainer alive."""
+    journal = tmp_path / "spills"
+    journal.mkdir(mode=0o700)
+    image = tmp_path / "img"
+    image.mkdir()
+    child = _trainer_child(30)
+    try:
+        name = f"snapguard-take-{child.pid}-0123456789abcdef"
+        spill = take.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
+        figures = {child.pid: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
+        _spill.SpillCopies(str(image), {child.pid: spill}, figures, str(journal))  # never closed: it "died"
+        records = list(journal.iterdir())
+        assert len(records) == 1 and records[0].stat().st_mode & 0o777 == 0o600
+        assert _spill.sweep(str(journal)) == [] and list(journal.iterdir()) == records
+        assert (shm / name).exists()  # the trainer lives: its name stays
+        child.kill()
+        child.wait()
+        assert _spill.sweep(str(journal)) == [str(shm / name)]
+        assert not (shm / name).exists() and list(journal.iterdir()) == []
+        spill.close()
+    finally:
+        child.kill()
+        child.wait()
+    # the trainer reloaded (its name gone) and lives: the record goes, nothing else
+    alive = _trainer_child(30)
+    try:
+        name = f"snapguard-take-{alive.pid}-fedcba9876543210"
+        spill = take.Spill(alive.pid, _fd_of(shm, name, 4096), str(shm / name), 4096)
+        copies = _spill.SpillCopies(str(tmp_path / "img"), {alive.pid: spill},
+                                    {alive.pid: {"offload": {"spill": {}}}}, str(journal))
+        copies.close()  # the trainer lives: the record stays with its name
+        assert len(list(journal.iterdir())) == 1 and (shm / name).exists()
+        (shm / name).unlink()
+        assert _spill.sweep(str(journal)) == [] and list(journal.iterdir()) == []
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_sweep_acts_only_on_records_as_snapguard_writes_them(shm: Path, tmp_path: Path) -> None:
+    """A record that is not one of the executor's (not JSON, a link, a name or field that does not
+    match, a path outside the spills' names, a file of another owner or another inode, a pid
+    that now belongs to another process) is dropped, and the file it names is left alone."""
+    journal = tmp_path / "spills"
+    journal.mkdir(mode=0o700)
+    gone = _trainer_child(0)
+    gone.wait()
+    name = f"snapguard-take-{gone.pid}-0123456789abcdef"
+    victim = shm / name
+    victim.write_bytes(b"x" * 4096)
+    st = victim.stat()
+    good = {"pid": gone.pid, "start": 7, "path": str(victim), "dev": st.st_dev, "ino": st.st_ino, "uid": os.getuid()}
+    import json
+
+    def record(fields: dict[str, object], file: str | None = None) -> None:
+        rec = {**good, **fields}
+        (journal / (file or f"{rec['pid']}-{rec['start']}-{rec['ino']}.json")).write_text(json.dumps(rec))
+
+    record({"uid": os.getuid() + 1, "start": 1})  # another owner's file
+    record({"ino": st.st_ino + 1})  # another file
+    record({"path": str(shm / "not-a-spill"), "start": 3})
+    record({"start": 4}, f"{gone.pid}-5-{st.st_ino}.json")  # its name does not match its fields
+    record({"extra": 1, "start": 6})
+    record({"pid": True}, f"{gone.pid}-12-{st.st_ino}.json")  # not an int
+    (journal / f"{gone.pid}-10-{st.st_ino}.json").write_text("{not json")
+    (tmp_path / "elsewhere.json").write_text(json.dumps({**good, "start": 11}))
+    os.symlink(tmp_path / "elsewhere.json", journal / f"{gone.pid}-11-{st.st_ino}.json")
+    (journal / "notes.txt").write_text("not a record: left")
+    assert _spill.sweep(str(journal)) == [] and victim.exists()
+    assert sorted(p.name for p in journal.iterdir()) == ["notes.txt"]
+    # a live process that took the pid over (here: this one, with its own start) is not the trainer
+    record({"pid": os.getpid(), "start": 1})
+    assert _spill.sweep(str(journal)) == [str(victim)] and not victim.exists()
+
+
+def _served(point: _TakePoint, tmp_path: Path) -> str:
+    path = str(tmp_path / "take.sock")
+    threading.Thread(target=_serve, args=(path, point), daemon=True).start()
+    for _ in range(200):
+        if os.path.exists(path):
+            break
+        threading.Event().wait(0.01)
+    return path
+
+
+@pytest.mark.parametrize("move_s", [0.8, 4.0])
+def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot(
+        shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, move_s: float) -> None:
+    """The trainer reaches its step boundary just before the executor's wait runs out, and its
+    spilled move (slowed here to `move_s`) outlasts the wait: the take's answer is a timeout, but
+    the trainer has its spill's file mapped. The executor asks its status until the move and the
+    reload are over, and only then lets the snapshot go on without the hold (TAKE_POINT_TIMEOUT);
+    when that takes longer than the wait again, it refuses the snapshot before anything is frozen.
+    Either way the trainer's state comes back exact and no spill is left behind."""
+    from snapguard.hooks import _workload
+
+    model, opt = _stepped_trainer(monkeypatch, shm, 64)
+    saved = [p.detach().clone() for p in model.parameters()]
+    real_take = _workload._Offload.take
+
+    def slow_take(self: _Offload, *args: object, **kwargs: object) -> object:
+        figures = real_take(self, *args, **kwargs)  # type: ignore[arg-type]
+        threading.Event().wait(move_s)  # the file is still this process's, unmapped or not
+        return figures
+
+    monkeypatch.setattr(_workload._Offload, "take", slow_take)
+    point = _TakePoint()
+    path = _served(point, tmp_path)
+    wait_s = 1.0
+
+    def trainer() -> None:
+        while point.hold_at is None:
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.8 * wait_s)  # the step ends late in the executor's wait
+        point.at_step_end(opt, (), {})
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    spills: dict[int, take.Spill] = {}
+    try:
+        if move_s < 2 * wait_s:
+            figures, warning = take._hold_one(path, os.getpid(), wait_s, True, spills)
+            assert figures is None and warning is not None and warning.reason is Reason.TAKE_POINT_TIMEOUT
+            assert take._ask(path, "status\n", 5)["spill_busy"] is False  # done: a dump now needs no file
+        else:
+            with pytest.raises(SnapguardError) as e:
+                take._hold_one(path, os.getpid(), wait_s, True, spills)
+            assert e.value.failure.reason is Reason.PREFLIGHT_FAILED and "nothing was frozen" in str(e.value)
+    finally:
+        t.join(15)
+    assert not t.is_alive() and spills == {}
+    assert all(torch.equal(a, b.detach()) for a, b in zip(saved, model.parameters()))
+    assert list(shm.iterdir()) == []
+
+
+def test_a_hold_begun_after_the_executor_stopped_waiting_moves_nothing(shm: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's wait ran out (disarm) between the step's end and the hold's move: the
+    snapshot goes on without the hold, so nothing is moved (a second copy of it in the image, or
+    a spill's file outside it) and no spill is made."""
+    model, opt = _stepped_trainer(monkeypatch, shm, 64)
+    point = _TakePoint()
+    point.arm(None, 5.0, spill=True)
+    point.disarm()
+    point._hold(opt)
+    assert "offload" not in point.figures and point.spill_busy is False
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert list(shm.iterdir()) == []
