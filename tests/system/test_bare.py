@@ -213,6 +213,12 @@ def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(
                     assert "spill_write_s" in json.loads(out.stdout)["timings"]
                 else:
                     assert "spill" not in offload and not list(images.glob("snapguard-take-*")), offload
+                if spill:
+                    # recorded while its name may stay: a leave-running trainer's until a later
+                    # sweep finds it reloaded, a stop snapshot's gone with its name (and the sweep
+                    # before it dropped the leave-running one's)
+                    records = list((t.state_dir / "spills").iterdir())
+                    assert len(records) == (1 if leave_running else 0), records
                 if not leave_running:
                     assert not list(spill_dir.iterdir()), "the stopped trainer's spill file was left"
                     time.sleep(9)  # past the hold limit
