@@ -7,7 +7,7 @@ checkpointctl's own names (config.dump, spec.dump, ...), which none of these col
 import re
 
 __all__ = ["DUMP_LOG", "MANIFEST_NAME", "MARKER_NAME", "NOT_IMAGE_FILES", "RESTORED_PIDFILE", "RESTORE_LOG",
-           "RESULT_NAME", "TAKE_SPILL", "TAKE_SPILL_SOURCE", "take_spill_name", "take_spill_source_name"]
+           "RESULT_NAME", "SPILL_TMPFS", "TAKE_SPILL", "TAKE_SPILL_SOURCE", "take_spill_name", "take_spill_source_name"]
 
 MANIFEST_NAME = "snapguard-manifest.json"
 MARKER_NAME = "snapguard-complete.json"  # written last: its presence means the image is whole
@@ -20,6 +20,11 @@ RESTORED_PIDFILE = "restored.pid"
 NOT_IMAGE_FILES = frozenset({MANIFEST_NAME, MARKER_NAME, RESULT_NAME, RESTORE_LOG, RESTORED_PIDFILE,
                              "stats-restore"})
 
+
+# Where a node mounts a tmpfs for take points' spills, with huge pages (huge=within_size): a
+# trainer spills there when SNAPGUARD_TAKE_SPILL_DIR does not say and it is a tmpfs, else into
+# /dev/shm (4 KiB pages). `snapguard preflight --node` reports which.
+SPILL_TMPFS = "/run/snapguard-spill"
 
 TAKE_SPILL = re.compile(r"snapguard-take-[0-9]+\.bin")  # take_spill_name's, and only those
 # take_spill_source_name's, and only those; group 1 the pid (as the trainer sees it)

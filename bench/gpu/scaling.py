@@ -34,6 +34,8 @@ the budget, are skipped and recorded so; every trainer is killed at the end.
     SNAPGUARD_TAKE_DROP_GRADS=1 python3 bench/gpu/scaling.py OUT.json --arms snapguard  # grads dropped
     SNAPGUARD_TAKE_SPILL=0 python3 bench/gpu/scaling.py OUT.json --arms snapguard  # moved bytes kept in the
                                                     # trainer (CRIU writes them), against the spill
+    SNAPGUARD_TAKE_SPILL_DIR=/dev/shm python3 bench/gpu/scaling.py OUT.json --arms snapguard  # the spill in
+                                                    # 4 KiB pages, against setup.sh's huge-page tmpfs
     .venv/bin/python bench/gpu/scaling.py /tmp/s.json --sizes 48x1,96x2 --steps 60 \\
         --trainer-args "--device cpu --batch 1"                     # the machinery on a CPU
 

@@ -4,7 +4,8 @@
 #
 # Installs, as root: CRIU at /usr/local/sbin/criu with its libraries in /opt/snapguard-criu/lib
 # (CRIU's and runc's DT_RPATH point there, libseccomp included), its CUDA plugin in
-# /usr/local/lib/criu, runc at /usr/local/sbin/runc, the wheels in /tmp/site, the C helper in this
+# /usr/local/lib/criu, runc at /usr/local/sbin/runc, a huge-page tmpfs at /run/snapguard-spill for
+# the take points' spills, the wheels in /tmp/site, the C helper in this
 # repo copy's snapguard/, and the wrappers cuda-checkpoint (snapguard's, at the pinned path where
 # NVIDIA's binary would be: the GPU machine has none), snapguard, snapguard-runc and snapguard-lab
 # (lab/, the drills) in /usr/local/bin. Then exports PYTHONPATH (repo, lab, /tmp/site) and
@@ -66,6 +67,14 @@ if [ "$(cat /tmp/site/.snapguard-wheels 2>/dev/null)" != "$stamp" ]; then
 fi
 chown -R 0:0 /tmp/site
 chmod -R go-w /tmp/site
+
+# the node's spill tmpfs (snapguard.names.SPILL_TMPFS) with huge pages, as README's "The take
+# point" has a node mount it: take points spill there by default (SNAPGUARD_TAKE_SPILL_DIR=/dev/shm
+# measures the 4 KiB-page tmpfs instead)
+if ! grep -qs ' /run/snapguard-spill tmpfs ' /proc/mounts; then
+  install -d -o 0 -g 0 -m 1777 /run/snapguard-spill
+  mount -t tmpfs -o mode=1777,huge=within_size,size=50% snapguard-spill /run/snapguard-spill
+fi
 
 # NAME MODULE PATHS [INTERPRETER FLAGS]: a root-owned 0755 wrapper in /usr/local/bin
 wrapper() {

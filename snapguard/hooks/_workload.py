@@ -15,7 +15,8 @@ host memory (`_Offload`: the driver's checkpoint then copies little; back on the
 SNAPGUARD_TAKE_OFFLOAD=0), emptied PyTorch's device and pinned host caches and trimmed the C heap,
 and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot
 hold it forever. Asked with `spill`, the bytes go into a tmpfs file of its own (`_SpillArena`,
-SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default; SNAPGUARD_TAKE_SPILL=0 refuses), whose descriptor
+SNAPGUARD_TAKE_SPILL_DIR; else the node's huge-page tmpfs /run/snapguard-spill where there is one,
+/dev/shm where not; SNAPGUARD_TAKE_SPILL=0 refuses), whose descriptor
 the take's answer carries (SCM_RIGHTS), none of it mapped or open here while the snapshot is taken.
 
 It also resolves the two things that put GPU handles outside a CUDA context into a trainer's tree
@@ -756,8 +757,8 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, an error inste
 
 
 class _SpillArena(_Arena):
-    """The arena as a file of its own on a tmpfs (SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default),
-    when the executor asks for it (a process in its own mount namespace, outside a container).
+    """The arena as a file of its own on a tmpfs (`_spill_dir`), when the executor asks for it (a
+    process in its executor's mount namespace, outside a container).
 
     Why: CRIU writes every page of the frozen process through one thread, after the driver's
     checkpoint, inside the stall: 20.9 GB in 7.9-15.7 s for the 1.2 B trainer on the H200, 19.2 GB
@@ -788,9 +789,17 @@ class _SpillArena(_Arena):
 
             if fs_type(fd) != TMPFS_MAGIC:  # the executor takes only a file in memory (nor would a disk's be quick)
                 raise OSError(f"{directory} is not a tmpfs")
-            # 4 KiB pages: no huge pages for it were seen even with the node's shmem THP at
-            # "advise" and MADV_HUGEPAGE asked (run 12c, thp_file_alloc 0)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            # Huge pages where the tmpfs was mounted to give them: huge=within_size (as a node
+            # mounts names.SPILL_TMPFS) gives them whatever is asked, huge=advise only where
+            # asked, as here; a tmpfs mounted without huge= (/dev/shm as distributions mount
+            # it) gives 4 KiB pages, the node's shmem_enabled notwithstanding (run 12c)
+            advice = getattr(mmap, "MADV_HUGEPAGE", None)
+            if advice is not None:
+                try:
+                    self.map.madvise(advice)
+                except OSError:  # transparent huge pages are off in this kernel
+                    pass
             self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
             self.populate(self.bytes, 1)  # a kernel without MADV_POPULATE_WRITE: no spill (OSError)
         except BaseException:
@@ -1043,11 +1052,34 @@ def _offload_on() -> bool:
 
 
 def _spill_dir() -> str | None:
-    """Where a spilled arena's file goes (SNAPGUARD_TAKE_SPILL_DIR, /dev/shm by default); None when
-    SNAPGUARD_TAKE_SPILL=0: the moved bytes then stay in the process, and CRIU writes them."""
+    """Where a spilled arena's file goes: SNAPGUARD_TAKE_SPILL_DIR; else names.SPILL_TMPFS when it
+    is a tmpfs (a node that mounted one there, huge=within_size: see `snapguard preflight --node`);
+    else /dev/shm. None when SNAPGUARD_TAKE_SPILL=0: the moved bytes then stay in the process,
+    and CRIU writes them."""
     if not _env_switch("SNAPGUARD_TAKE_SPILL", True):
         return None
-    return os.environ.get("SNAPGUARD_TAKE_SPILL_DIR", "").strip() or "/dev/shm"
+    chosen = os.environ.get("SNAPGUARD_TAKE_SPILL_DIR", "").strip()
+    if chosen:
+        return chosen
+    from ..names import SPILL_TMPFS
+
+    return SPILL_TMPFS if _is_tmpfs(SPILL_TMPFS) else "/dev/shm"
+
+
+def _is_tmpfs(path: str) -> bool:
+    """Whether path is a directory on a tmpfs (statfs), never raising."""
+    from ..files import TMPFS_MAGIC, fs_type
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return fs_type(fd) == TMPFS_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _offload_device() -> str:

@@ -186,6 +186,7 @@ def node_report(config: Config, require: tuple[str, ...] | list[str] | None = No
     report.run("runc", lambda: host.check_runc(config.runc, report.facts))
     report.run("runtime-versions", lambda: host.check_runtime_versions(config.runc, config.state_dir, report.facts))
     report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.facts.get("gpu")))
+    report.facts["spill"] = host.spill_tmpfs()
     driver = next(c for c in report.checks if c.name == "nvidia-driver")
     if not driver.error and report.facts.get("gpu") is None:
         report.capability_blockers["gpu"] = [Finding(

@@ -258,6 +258,10 @@ class Report:
                     if self.facts.get(key)]
         if versions:
             lines.append(f"runtime: {', '.join(versions)}")
+        spill = self.facts.get("spill")
+        if isinstance(spill, dict):
+            lines.append(f"take point spills: {spill.get('dir')} ("
+                         f"{'huge pages' if spill.get('huge_pages') else spill.get('hint', '4 KiB pages')})")
         caps = self.capabilities
         if caps:
             lines.append(f"required: {', '.join(self.required or ()) or '(nothing)'}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import re
 
-from .. import criu
+from .. import criu, procfs
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
+from ..names import SPILL_TMPFS
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
+__all__ = ["spill_tmpfs", "check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
            "check_runtime_versions", "runtime_pairing", "CONTAINERD_PATHS", "IPTABLES_RESTORE"]
 
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
@@ -160,6 +161,29 @@ def check_runtime_versions(runc_path: str, state_dir: str | None, facts: dict[st
         return []
     containerd = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
     return runtime_pairing(containerd, runc_version, {"containerd_path": path, "runc_path": runc_path})
+
+
+def spill_tmpfs() -> dict[str, object]:
+    """Where a bare trainer's take point spills on this node by default (names.SPILL_TMPFS when
+    it is a tmpfs, else /dev/shm) and whether that tmpfs gives huge pages (mounted with huge=
+    within_size, advise or always): with 4 KiB pages its fill runs at a seventh or less of the
+    rate (bench/spill_fill.py). A fact for the node report, not a finding: a trainer's own
+    SNAPGUARD_TAKE_SPILL_DIR overrides it."""
+    def mount(path: str) -> dict[str, object] | None:
+        found = procfs.mount_of(path)
+        return found if found and found["mount_point"] == path else None
+
+    own = mount(SPILL_TMPFS)
+    chosen = SPILL_TMPFS if own is not None and own["fstype"] == "tmpfs" else "/dev/shm"
+    mounted = own if chosen == SPILL_TMPFS else procfs.mount_of(chosen)
+    options = mounted.get("options") if mounted else None
+    huge = options.get("huge") if isinstance(options, dict) else None
+    out: dict[str, object] = {"dir": chosen, "fstype": mounted.get("fstype") if mounted else None,
+                              "huge_pages": huge in ("within_size", "advise", "always")}
+    if not out["huge_pages"]:
+        out["hint"] = (f"spills fill 4 KiB pages; mount a tmpfs with huge pages at {SPILL_TMPFS}: "
+                       f"mount -t tmpfs -o mode=1777,huge=within_size,size=50% snapguard-spill {SPILL_TMPFS}")
+    return out
 
 
 def check_network_lock() -> list[Finding]:

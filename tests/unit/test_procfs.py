@@ -105,3 +105,28 @@ def test_a_process_start_names_it_apart_from_a_later_one_with_its_pid(tmp_path: 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert procfs.start_ticks(child.pid) is None and not procfs.alive(child.pid)
+
+
+def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_path: Path) -> None:
+    """mountinfo's mount point (octal escapes undone) and the filesystem's own options, after
+    the " - " separator; a mount stacked on another at the same point wins; a lookalike prefix
+    (/run/ab against /run/a) does not hold the path. And the real one: / holds everything."""
+    root = tmp_path / "proc"
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "mountinfo").write_text(
+        "1 0 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "2 1 0:5 / /run rw,nosuid shared:2 - tmpfs tmpfs rw,size=100k,mode=755\n"
+        "3 2 0:6 / /run/a rw shared:3 - tmpfs tmpfs rw,size=4k\n"
+        "4 3 0:7 / /run/a rw shared:4 master:9 - tmpfs spill rw,size=8k,huge=within_size\n"
+        "5 2 0:8 / /run/with\\040space rw - tmpfs x rw\n"
+        "garbage line\n")
+    with procfs.using_procfs(str(root)):
+        got = procfs.mount_of("/run/a/f")
+        assert got == {"mount_point": "/run/a", "fstype": "tmpfs",
+                       "options": {"rw": "", "size": "8k", "huge": "within_size"}}
+        assert procfs.mount_of("/run/ab")["mount_point"] == "/run"  # type: ignore[index]
+        assert procfs.mount_of("/run/with space/x")["mount_point"] == "/run/with space"  # type: ignore[index]
+        assert procfs.mount_of("/etc")["fstype"] == "ext4"  # type: ignore[index]
+    assert procfs.mount_of("/", proc=str(tmp_path / "nothing")) is None
+    real = procfs.mount_of("/proc/self")
+    assert real is not None and real["fstype"] == "proc"
