@@ -155,12 +155,7 @@ def test_the_take_socket_hands_the_file_over_and_the_release_brings_it_back(shm:
     saved = [p.detach().clone() for p in model.parameters()] + \
         [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     point = _TakePoint()
-    path = str(tmp_path / "take.sock")
-    threading.Thread(target=_serve, args=(path, point), daemon=True).start()
-    for _ in range(200):
-        if os.path.exists(path):
-            break
-        threading.Event().wait(0.01)
+    path = _served(point, tmp_path)
     assert take._ask(path, "status\n", 5)["spill"] is True
     for spill in (True, False):
         trainer = threading.Thread(target=point.at_step_end, args=(opt, (), {}))
