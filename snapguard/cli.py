@@ -55,8 +55,14 @@ def _parser() -> argparse.ArgumentParser:
                         description=(
                             "Snapshot the process tree rooted at --pid into --images with the executor's guards: "
                             "preflight, the take point (a workload started with snapguard's hook is asked to "
-                            "stop at a step boundary and release PyTorch's free reserve), CRIU with its CUDA "
-                            "plugin, and on failure every CUDA process brought back to running. Exit 0 done, "
+                            "stop at a step boundary, move its optimizer's tensors off the GPU and release "
+                            "PyTorch's free reserve), CRIU with its CUDA plugin, and on failure every CUDA "
+                            "process brought back to running. A trainer in this mount namespace moves those "
+                            "bytes into a tmpfs file of its own (its spill), which snapguard writes into the "
+                            "image apart from CRIU and passes back at the release: in SNAPGUARD_TAKE_SPILL_DIR "
+                            "of its environment, else /run/snapguard-spill where a tmpfs is mounted there (with "
+                            "huge pages: `snapguard preflight --node` says), else /dev/shm; "
+                            "SNAPGUARD_TAKE_SPILL=0 keeps them in its memory. Exit 0 done, "
                             "1 refused or failed (one typed line on stderr)."))
     ck.add_argument("--pid", type=int, required=True, help="root of the process tree")
     ck.add_argument("--images", required=True, metavar="DIR", help="image directory (created 0700)")
