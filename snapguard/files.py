@@ -10,7 +10,7 @@ from typing import Any
 
 from .trust import make_private_dir, resolve_trusted
 
-__all__ = ["TMPFS_MAGIC", "FileCopy", "ensure_private_dir", "fs_type", "write_private_bytes", "write_private_json"]
+__all__ = ["TMPFS_MAGIC", "FileCopy", "ensure_private_dir", "fs_type", "spill_tmpfs_usable", "write_private_bytes", "write_private_json"]
 
 TMPFS_MAGIC = 0x01021994  # statfs(2)'s f_type of a tmpfs (and of a memfd's internal mount)
 
@@ -68,6 +68,28 @@ def fs_type(fd: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(buf[0]) & 0xFFFFFFFF
+
+
+def spill_tmpfs_usable(path: str, anyone: bool = False) -> bool:
+    """Whether `path` is a tmpfs mounted there (not merely a directory of the tmpfs above it, as
+    one left on /run by a mount that failed would be) in which this process may make files; with
+    `anyone`, in which every user may (mode 1777, as /dev/shm: what root asks for its trainers).
+    Never raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st, above = os.fstat(fd), os.stat("..", dir_fd=fd)
+        if fs_type(fd) != TMPFS_MAGIC or st.st_dev == above.st_dev:
+            return False
+        if anyone:
+            return st.st_mode & 0o1777 == 0o1777
+        return os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class FileCopy:

@@ -25,7 +25,7 @@ __all__ = [
     "Inventory", "ProcInfo", "cpu_info", "established_tcp", "host_facts", "internal_only", "inventory",
     "alive", "mem_available_bytes", "euid", "nspid", "own_mntns", "own_netns", "parse_maps", "process_state", "process_tree", "procfs_path",
     "read_proc", "set_procfs_path", "tree_tcp", "using_procfs", "check_target", "proc_text",
-    "cgroup_memory_headroom", "mount_of", "pid_map", "start_ticks",
+    "cgroup_memory_headroom", "mount_of", "mounts_on_path", "pid_map", "start_ticks",
 ]
 
 _procfs = "/proc"
@@ -138,26 +138,32 @@ def alive(pid: int, proc: str | None = None) -> bool:
     return process_state(pid, proc) not in ("gone", "Z", "X")
 
 
-def mount_of(path: str, proc: str | None = None) -> dict[str, Any] | None:
-    """The mount `path` (absolute, canonical) is on, as this process sees it (its
-    /proc/self/mountinfo: the last mount on the longest mount point that contains it):
-    {"mount_point", "fstype", "options": {name: value or ""}} with the filesystem's own options
-    (tmpfs's huge=, size=); None when it cannot be read."""
+def mounts_on_path(path: str, proc: str | None = None) -> list[dict[str, Any]] | None:
+    """The mounts a lookup of `path` (absolute, canonical, no component a link) goes through, as
+    this process sees them (its /proc/self/mountinfo), from / to the one `path` is on: for each
+    mount point on the way, the last mount there. Each is {"mount_point", "fstype", "options":
+    {name: value or ""}} with the filesystem's own options (tmpfs's huge=, size=). None when
+    mountinfo cannot be read. Read from mountinfo only: no filesystem on the way is touched."""
     text = _vanishing(lambda: _read(f"{_root(proc)}/self/mountinfo"), None)
     if text is None:
         return None
-    best: dict[str, Any] | None = None
+    on: dict[str, dict[str, Any]] = {}
     for line in text.splitlines():
         left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
+        fields, tail = left.split(), right.split(" ")  # a mount's source may be empty
         if not sep or len(fields) < 5 or len(tail) < 3:
             continue
         point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best["mount_point"])):
+        if path == point or path.startswith(point.rstrip("/") + "/"):
             options = dict((o.partition("=")[0], o.partition("=")[2]) for o in tail[2].split(","))
-            best = {"mount_point": point, "fstype": tail[0], "options": options}
-    return best
+            on[point] = {"mount_point": point, "fstype": tail[0], "options": options}  # the last one stacked
+    return [on[point] for point in sorted(on, key=len)]
+
+
+def mount_of(path: str, proc: str | None = None) -> dict[str, Any] | None:
+    """The mount `path` is on (the last of `mounts_on_path`); None when that cannot be told."""
+    chain = mounts_on_path(path, proc)
+    return chain[-1] if chain else None
 
 
 def start_ticks(pid: int, proc: str | None = None) -> int | None:

@@ -793,7 +793,8 @@ class _SpillArena(_Arena):
             # Huge pages where the tmpfs was mounted to give them: huge=within_size (as a node
             # mounts names.SPILL_TMPFS) gives them whatever is asked, huge=advise only where
             # asked, as here; a tmpfs mounted without huge= (/dev/shm as distributions mount
-            # it) gives 4 KiB pages, the node's shmem_enabled notwithstanding (run 12c)
+            # it) gives 4 KiB pages unless the node's shmem_enabled is "force" ("advise" there
+            # made none, run 12c)
             advice = getattr(mmap, "MADV_HUGEPAGE", None)
             if advice is not None:
                 try:
@@ -1052,34 +1053,19 @@ def _offload_on() -> bool:
 
 
 def _spill_dir() -> str | None:
-    """Where a spilled arena's file goes: SNAPGUARD_TAKE_SPILL_DIR; else names.SPILL_TMPFS when it
-    is a tmpfs (a node that mounted one there, huge=within_size: see `snapguard preflight --node`);
-    else /dev/shm. None when SNAPGUARD_TAKE_SPILL=0: the moved bytes then stay in the process,
+    """Where a spilled arena's file goes: SNAPGUARD_TAKE_SPILL_DIR; else names.SPILL_TMPFS when a
+    tmpfs is mounted there that this process may write (a node that mounted one, huge=within_size:
+    see `snapguard preflight --node`); else /dev/shm. None when SNAPGUARD_TAKE_SPILL=0: the moved bytes then stay in the process,
     and CRIU writes them."""
     if not _env_switch("SNAPGUARD_TAKE_SPILL", True):
         return None
     chosen = os.environ.get("SNAPGUARD_TAKE_SPILL_DIR", "").strip()
     if chosen:
         return chosen
+    from ..files import spill_tmpfs_usable
     from ..names import SPILL_TMPFS
 
-    return SPILL_TMPFS if _is_tmpfs(SPILL_TMPFS) else "/dev/shm"
-
-
-def _is_tmpfs(path: str) -> bool:
-    """Whether path is a directory on a tmpfs (statfs), never raising."""
-    from ..files import TMPFS_MAGIC, fs_type
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return fs_type(fd) == TMPFS_MAGIC
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return SPILL_TMPFS if spill_tmpfs_usable(SPILL_TMPFS) else "/dev/shm"
 
 
 def _offload_device() -> str:
@@ -1224,13 +1210,14 @@ class _TakePoint:
         # more is neither to be moved nor kept: collected once, before the move and the cache's
         # emptying (which then returns its device memory too), and the freed heap given back below.
         gc.collect()
+        wanted_dir = _spill_dir() if self.spill else None  # a statfs: not under the lock the socket's thread takes
         with self.lock:
             # the executor stopped waiting (disarm) or let go already: the snapshot goes on without
             # the hold, and a move now would only put a second copy into it, or, spilled, leave the
             # process with a file outside the image open. Decided under the lock disarm takes, so
             # that a spill begun is one the executor's status asks find busy.
             move = not self.released.is_set() and _offload_on() and (cuda or device == "cpu")
-            spill_dir = _spill_dir() if move and self.spill else None
+            spill_dir = wanted_dir if move else None
             self.spill_busy = spill_dir is not None
         if move:
             offload = _Offload(device)

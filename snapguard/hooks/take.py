@@ -31,7 +31,7 @@ from typing import Any
 from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["Spill", "hold", "release_all", "remove_spill_name", "socket_for", "stray_under", "trainers"]
+__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "stray_under", "trainers"]
 
 
 def socket_for(pid: int, proc: str | None = None) -> str | None:
@@ -140,7 +140,7 @@ class Spill:
             named = names.TAKE_SPILL_SOURCE.fullmatch(os.path.basename(path)) if isinstance(path, str) else None
             size, moved, storages = (_count(spill.get("bytes")), _count(offload.get("bytes")),
                                      _count(offload.get("storages")))
-            if not isinstance(path, str) or not path.startswith("/") or os.path.normpath(path) != path or \
+            if not isinstance(path, str) or not in_tmpfs_dir(path) or \
                     named is None or named.group(1) != str(pid) or \
                     not 0 < moved <= size <= moved + storages * 4096:  # each storage starts on a page
                 raise ValueError(f"the answer's spill {str(spill)[:200]} is not one the take point makes")
@@ -169,14 +169,34 @@ class Spill:
             self.fd = -1
 
 
+# file systems whose lookups can wait on a process or the network (a FUSE daemon, a server, an
+# automounter): a trainer's path through one could hold root's lookup for ever
+_MAY_HANG = ("fuse", "autofs", "nfs", "cifs", "smb", "9p", "ceph", "glusterfs", "lustre", "gpfs", "afs", "davfs",
+             "sshfs", "virtiofs")
+
+
+def in_tmpfs_dir(path: str) -> bool:
+    """Whether `path` (absolute and canonical, as a trainer reports its spill) is a name in a
+    directory on a tmpfs reached through no file system whose lookups may wait on something
+    outside the kernel (`_MAY_HANG`): told from mountinfo alone, before root looks anything up
+    along a path a trainer chose."""
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        return False
+    chain = procfs.mounts_on_path(os.path.dirname(path))
+    if not chain:
+        return False
+    return chain[-1]["fstype"] == "tmpfs" and not any(str(m["fstype"]).startswith(_MAY_HANG) for m in chain)
+
+
 def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run: bool = False) -> bool:
     """Remove the name `path` of a spill whose trainer is gone, when it still names that file
     (`dev`, `ino`), a regular one owned by `uid` (the trainer's): never any other file the path
-    may name by now. The directories on the way are opened one by one without following a link
-    (the trainer could swap one for a link elsewhere between a check and the unlink); the name is
-    then checked and removed through that directory. Whether it was removed (`dry_run`: whether
-    the name still is that file, left as it is)."""
-    if uid is None or not path.startswith("/"):
+    may name by now. Only a name in a tmpfs directory (`in_tmpfs_dir`) is looked up at all. The
+    directories on the way are opened one by one without following a link (the trainer could
+    swap one for a link elsewhere between a check and the unlink); the name is then checked and
+    removed through that directory. Whether it was removed (`dry_run`: whether the name still is
+    that file, left as it is)."""
+    if uid is None or not in_tmpfs_dir(path):
         return False
     parts = [p for p in os.path.dirname(path).split("/") if p]
     try:
@@ -271,8 +291,9 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
     """After a take asked to spill ran out of time: the trainer may have begun it all the same
     (it reached its step boundary just as the wait ran out). Until its reload ends it has the
     spill's file mapped or open, and an image then would need that file, outside the image: it
-    could be restored only where the file still is. Wait up to `wait_s` for the trainer's status
-    to say it is done; refuse the snapshot, nothing frozen, when it does not. A trainer that does
+    could be restored only where the file still is. Wait up to `wait_s` more for the trainer's
+    status to say it is done; refuse the snapshot, nothing frozen and the trainer released, when
+    it does not. A trainer that does
     not answer its status is left to the snapshot as before (it cannot be told to be spilling)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -283,6 +304,7 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
         if not busy:
             return
         if time.monotonic() >= deadline:
+            _ask_quietly(path, "release\n", 10.0)  # in case it was held after all (a release repeats safely)
             raise SnapguardError(Reason.PREFLIGHT_FAILED,
                                  f"pid {pid} reached its take point as the wait ran out and is still moving its "
                                  f"optimizer's bytes through a file of its own {wait_s:g} s later: an image now "

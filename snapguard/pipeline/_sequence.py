@@ -24,7 +24,7 @@ from typing import Any
 from .. import criu, files, gpu_suspend, image, preflight, procfs
 from ..config import Config, resolve_cuda_checkpoint
 from ..hooks import take
-from ..reasons import Finding, Reason, SnapguardError
+from ..reasons import Finding, Reason, Severity, SnapguardError
 from ..trust import UntrustedPathError
 from . import _spill
 from ._request import Request
@@ -164,7 +164,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
-            journal = _sweep_spills(config, steps) if spill and found else None
+            journal = _sweep_spills(config, steps, report.warnings) if spill and found else None
             figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
             try:
                 copies = _spill.SpillCopies(req.image_dir, spills, figures, journal)
@@ -473,13 +473,20 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     return states
 
 
-def _sweep_spills(config: Config, steps: _Steps) -> str:
+def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str | None:
     """The spill journal's directory in the state directory, swept first: the names of spills
     whose trainers are gone, left by an executor that died before it could remove them
-    (`_spill.sweep`), removed now."""
-    journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
-    with steps.timed("spill_sweep"):
-        removed = _spill.sweep(journal)
+    (`_spill.sweep`), removed now. A journal that cannot be kept is a warning (spills of
+    trainers that die with their executor may then stay), not a refused snapshot: None."""
+    try:
+        journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
+        with steps.timed("spill_sweep"):
+            removed = _spill.sweep(journal)
+    except (OSError, UntrustedPathError) as e:
+        warnings.append(Finding(Reason.PREFLIGHT_FAILED, f"the spill journal in {config.state_dir} cannot be kept: "
+                                f"{e}; spills whose trainer and executor both die may stay", Severity.WARNING,
+                                {"state_dir": config.state_dir}))
+        return None
     if removed:
         steps.counts["spills_removed"] = len(removed)
     return journal
@@ -552,7 +559,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
         with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
             files.ensure_private_dir(req.work_dir)
             if wanted:
-                _sweep_spills(config, steps)
+                _sweep_spills(config, steps, report.warnings)
         digests.start()  # a held workload's image is hashed while CRIU reads it
         try:
             with steps.step("restore", Reason.CRIU_RESTORE_FAILED), \

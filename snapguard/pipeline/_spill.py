@@ -42,14 +42,25 @@ def _record_name(pid: int, start: int, ino: int) -> str:
 
 def _record(journal_dir: str, spill: take.Spill, uid: int | None) -> str | None:
     """A record of `spill` in `journal_dir`: its trainer (pid and start), its name and file, and
-    its owner; the record's name, or None when the trainer is gone or its owner unknown already."""
+    its owner; the record's name, or None when the trainer is gone or its owner unknown already.
+    Not synced: it is written while the trainer is held, and serves against an executor that
+    dies, not a node that does (whose tmpfs goes with it)."""
     start = procfs.start_ticks(spill.pid)
     if uid is None or start is None or spill.fd < 0:
         return None
     st = os.fstat(spill.fd)
     name = _record_name(spill.pid, start, st.st_ino)
-    files.write_private_json(os.path.join(journal_dir, name), {
-        "pid": spill.pid, "start": start, "path": spill.path, "dev": st.st_dev, "ino": st.st_ino, "uid": uid})
+    data = json.dumps({"pid": spill.pid, "start": start, "path": spill.path, "dev": st.st_dev, "ino": st.st_ino,
+                       "uid": uid}).encode()
+    dir_fd = os.open(journal_dir, _O_DIR)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            os.write(fd, data)  # a record cut short by a kill is not one `_read_record` takes: dropped
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
     return name
 
 
@@ -100,9 +111,11 @@ def sweep(journal_dir: str) -> list[str]:
             keep = False
             if record is not None:
                 path, dev, ino, uid = record["path"], record["dev"], record["ino"], record["uid"]
+                lives = procfs.alive(record["pid"]) and procfs.start_ticks(record["pid"]) == record["start"]
+                # looked up only in a tmpfs directory (remove_spill_name): a lookup cannot hang
                 if take.remove_spill_name(path, dev, ino, uid, dry_run=True):
-                    if procfs.alive(record["pid"]) and procfs.start_ticks(record["pid"]) == record["start"]:
-                        keep = True
+                    if lives:
+                        keep = True  # it removes its own name at its reload
                     elif take.remove_spill_name(path, dev, ino, uid):
                         removed.append(path)
             if not keep:

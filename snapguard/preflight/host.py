@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from .. import criu, procfs
+from .. import criu, files, procfs
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
 from ..names import SPILL_TMPFS
@@ -164,26 +164,31 @@ def check_runtime_versions(runc_path: str, state_dir: str | None, facts: dict[st
 
 
 def spill_tmpfs() -> dict[str, object]:
-    """Where a bare trainer's take point spills on this node by default (names.SPILL_TMPFS when
-    it is a tmpfs, else /dev/shm) and whether that tmpfs gives huge pages (mounted with huge=
-    within_size, advise or always): with 4 KiB pages its fill runs at a seventh or less of the
-    rate (bench/spill_fill.py). A fact for the node report, not a finding: a trainer's own
+    """Where a bare trainer's take point spills on this node by default (names.SPILL_TMPFS where a
+    tmpfs that every user may write is mounted there, else /dev/shm) and whether that tmpfs gives
+    huge pages (mounted huge=within_size, advise or always; or, for /dev/shm, the node's
+    shmem_enabled at force): with 4 KiB pages its fill runs at about a third of the rate
+    (bench/spill_fill.py). A fact for the node report, not a finding: a trainer's own
     SNAPGUARD_TAKE_SPILL_DIR overrides it."""
-    def mount(path: str) -> dict[str, object] | None:
-        found = procfs.mount_of(path)
-        return found if found and found["mount_point"] == path else None
-
-    own = mount(SPILL_TMPFS)
-    chosen = SPILL_TMPFS if own is not None and own["fstype"] == "tmpfs" else "/dev/shm"
-    mounted = own if chosen == SPILL_TMPFS else procfs.mount_of(chosen)
+    chosen = SPILL_TMPFS if files.spill_tmpfs_usable(SPILL_TMPFS, anyone=True) else "/dev/shm"
+    mounted = procfs.mount_of(chosen)
     options = mounted.get("options") if mounted else None
     huge = options.get("huge") if isinstance(options, dict) else None
+    forced = "[force]" in _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
     out: dict[str, object] = {"dir": chosen, "fstype": mounted.get("fstype") if mounted else None,
-                              "huge_pages": huge in ("within_size", "advise", "always")}
+                              "huge_pages": huge in ("within_size", "advise", "always") or forced}
     if not out["huge_pages"]:
         out["hint"] = (f"spills fill 4 KiB pages; mount a tmpfs with huge pages at {SPILL_TMPFS}: "
                        f"mount -t tmpfs -o mode=1777,huge=within_size,size=50% snapguard-spill {SPILL_TMPFS}")
     return out
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def check_network_lock() -> list[Finding]:

@@ -119,6 +119,7 @@ def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_pat
         "3 2 0:6 / /run/a rw shared:3 - tmpfs tmpfs rw,size=4k\n"
         "4 3 0:7 / /run/a rw shared:4 master:9 - tmpfs spill rw,size=8k,huge=within_size\n"
         "5 2 0:8 / /run/with\\040space rw - tmpfs x rw\n"
+        "6 2 0:9 / /run/blank rw - tmpfs  rw,huge=advise\n"  # an empty source
         "garbage line\n")
     with procfs.using_procfs(str(root)):
         got = procfs.mount_of("/run/a/f")
@@ -127,6 +128,10 @@ def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_pat
         assert procfs.mount_of("/run/ab")["mount_point"] == "/run"  # type: ignore[index]
         assert procfs.mount_of("/run/with space/x")["mount_point"] == "/run/with space"  # type: ignore[index]
         assert procfs.mount_of("/etc")["fstype"] == "ext4"  # type: ignore[index]
+        assert procfs.mount_of("/run/blank/f")["options"]["huge"] == "advise"  # type: ignore[index]
+        chain = procfs.mounts_on_path("/run/a/f")
+        assert [(m["mount_point"], m["options"].get("size")) for m in chain or []] == \
+            [("/", None), ("/run", "100k"), ("/run/a", "8k")]
     assert procfs.mount_of("/", proc=str(tmp_path / "nothing")) is None
     real = procfs.mount_of("/proc/self")
     assert real is not None and real["fstype"] == "proc"

@@ -261,8 +261,10 @@ def test_an_answer_whose_file_does_not_match_it_is_refused_and_its_descriptors_c
     if not disk:
         pytest.skip("the test directory is on a tmpfs: the refusal of a file not in memory is not checked here")
     (tmp_path / name).write_bytes(b"x" * 8192)  # a file that is not in memory (a FUSE file's reads could hang)
-    with pytest.raises(ValueError, match="not on a tmpfs"):
-        take.Spill.received(7, answer(path=str(tmp_path / name)), [os.open(tmp_path / name, os.O_RDONLY)])
+    with pytest.raises(ValueError, match="not on a tmpfs"):  # named as in memory, handed over from the disk
+        take.Spill.received(7, answer(), [os.open(tmp_path / name, os.O_RDONLY)])
+    with pytest.raises(ValueError, match="is not one the take point makes"):  # named outside any tmpfs
+        take.Spill.received(7, answer(path=str(tmp_path / name)), [_fd_of(shm, f"{name}x", 8192)])
 
 
 def test_the_executor_removes_only_the_trainers_own_file_by_its_name(shm: Path) -> None:
@@ -605,42 +607,44 @@ def _served(point: _TakePoint, tmp_path: Path) -> str:
     return path
 
 
-@pytest.mark.parametrize("move_s", [0.8, 4.0])
+@pytest.mark.parametrize("move_s", [3.0, 6.0])
 def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot(
         shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, move_s: float) -> None:
-    """The trainer reaches its step boundary just before the executor's wait runs out, and its
-    spilled move (slowed here to `move_s`) outlasts the wait: the take's answer is a timeout, but
-    the trainer has its spill's file mapped. The executor asks its status until the move and the
-    reload are over, and only then lets the snapshot go on without the hold (TAKE_POINT_TIMEOUT);
-    when that takes longer than the wait again, it refuses the snapshot before anything is frozen.
-    Either way the trainer's state comes back exact and no spill is left behind."""
+    """The trainer's hold begins within the executor's wait, but its spilled move (slowed here to
+    `move_s`) outlasts it: the take's answer is a timeout while the trainer still has its spill's
+    file. The executor asks its status until the move and the reload are over, and only then lets
+    the snapshot go on without the hold (TAKE_POINT_TIMEOUT); when that takes longer than the wait
+    again, it refuses the snapshot before anything is frozen. Either way the trainer's state comes
+    back exact and no spill is left behind."""
     from snapguard.hooks import _workload
 
     model, opt = _stepped_trainer(monkeypatch, shm, 64)
     saved = [p.detach().clone() for p in model.parameters()]
     real_take = _workload._Offload.take
+    point = _TakePoint()
+    busy_while_moving = threading.Event()
 
     def slow_take(self: _Offload, *args: object, **kwargs: object) -> object:
         figures = real_take(self, *args, **kwargs)  # type: ignore[arg-type]
-        threading.Event().wait(move_s)  # the file is still this process's, unmapped or not
+        if point.spill_busy and "spill" in figures:
+            busy_while_moving.set()
+        threading.Event().wait(move_s)
         return figures
 
     monkeypatch.setattr(_workload._Offload, "take", slow_take)
-    point = _TakePoint()
     path = _served(point, tmp_path)
-    wait_s = 1.0
+    wait_s = 2.0
 
     def trainer() -> None:
         while point.hold_at is None:
             threading.Event().wait(0.01)
-        threading.Event().wait(0.8 * wait_s)  # the step ends late in the executor's wait
-        point.at_step_end(opt, (), {})
+        point.at_step_end(opt, (), {})  # the hold begins at once, well within the wait
 
     t = threading.Thread(target=trainer)
     t.start()
     spills: dict[int, take.Spill] = {}
     try:
-        if move_s < 2 * wait_s:
+        if move_s < 2 * wait_s:  # over within the executor's second wait
             figures, warning = take._hold_one(path, os.getpid(), wait_s, True, spills)
             assert figures is None and warning is not None and warning.reason is Reason.TAKE_POINT_TIMEOUT
             assert take._ask(path, "status\n", 5)["spill_busy"] is False  # done: a dump now needs no file
@@ -650,6 +654,7 @@ def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot
             assert e.value.failure.reason is Reason.PREFLIGHT_FAILED and "nothing was frozen" in str(e.value)
     finally:
         t.join(15)
+    assert busy_while_moving.is_set(), "the trainer never spilled: the test tested nothing"
     assert not t.is_alive() and spills == {}
     assert all(torch.equal(a, b.detach()) for a, b in zip(saved, model.parameters()))
     assert list(shm.iterdir()) == []
@@ -709,9 +714,11 @@ def test_a_spill_on_a_huge_page_tmpfs_gets_huge_pages_and_on_dev_shm_none(huge_t
     """A tmpfs mounted huge=within_size (the node's names.SPILL_TMPFS) gives the spill huge
     pages, 2 MiB a fault instead of 4 KiB (bench/spill_fill.py measures the fill); one mounted
     huge=advise gives them because the spill's mapping asks; /dev/shm as distributions mount it
-    (no huge=) gives none. The bytes come back exact each time."""
+    (no huge=) gives none, unless the node's shmem_enabled is "force". The bytes come back exact
+    each time."""
+    forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
     with _tmpfs(tmp_path / "advise", "advise") as advise:
-        _huge_pages_or_none([(huge_tmpfs, True), (advise, True), (shm, False)])
+        _huge_pages_or_none([(huge_tmpfs, True), (advise, True), (shm, forced)])
 
 
 def _huge_pages_or_none(where: list[tuple[Path, bool]]) -> None:
@@ -738,8 +745,9 @@ def _huge_pages_or_none(where: list[tuple[Path, bool]]) -> None:
 
 def test_a_trainer_spills_where_it_is_told_else_on_the_nodes_spill_tmpfs_else_dev_shm(
         huge_tmpfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SNAPGUARD_TAKE_SPILL_DIR first; else names.SPILL_TMPFS when it is a tmpfs (not when it is
-    missing or a directory on a disk); else /dev/shm. `snapguard preflight --node` reports the
+    """SNAPGUARD_TAKE_SPILL_DIR first; else names.SPILL_TMPFS when a tmpfs is mounted there (not
+    when it is missing, a directory on a disk or a directory of a tmpfs mounted above it); else
+    /dev/shm. `snapguard preflight --node` reports the
     same choice, and whether its tmpfs gives huge pages."""
     from snapguard import names as names_module
     from snapguard.hooks import _workload
@@ -747,8 +755,10 @@ def test_a_trainer_spills_where_it_is_told_else_on_the_nodes_spill_tmpfs_else_de
 
     monkeypatch.delenv("SNAPGUARD_TAKE_SPILL_DIR", raising=False)
     monkeypatch.delenv("SNAPGUARD_TAKE_SPILL", raising=False)
+    plain = huge_tmpfs / "plain"  # a directory of a tmpfs, as one left on /run by a mount that failed
+    plain.mkdir(mode=0o1777)
     for where, expected in ((str(huge_tmpfs), str(huge_tmpfs)), (str(tmp_path), "/dev/shm"),
-                            (str(tmp_path / "missing"), "/dev/shm")):
+                            (str(tmp_path / "missing"), "/dev/shm"), (str(plain), "/dev/shm")):
         monkeypatch.setattr(names_module, "SPILL_TMPFS", where)
         monkeypatch.setattr(host, "SPILL_TMPFS", where)
         assert _workload._spill_dir() == expected
@@ -759,3 +769,41 @@ def test_a_trainer_spills_where_it_is_told_else_on_the_nodes_spill_tmpfs_else_de
     assert _workload._spill_dir() == str(tmp_path)
     monkeypatch.setenv("SNAPGUARD_TAKE_SPILL", "0")
     assert _workload._spill_dir() is None
+
+
+def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path) -> None:
+    """The trainer names its spill's path; root walks it (to remove the name) only where
+    mountinfo says the directory is on a tmpfs reached through no file system whose lookups can
+    wait on a daemon or a server (a FUSE mount, NFS, an automounter): a path anywhere else, or not
+    canonical, is neither taken with a take's answer nor looked up."""
+    root = tmp_path / "proc"
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "mountinfo").write_text(
+        "1 0 8:1 / / rw - ext4 /dev/vda rw\n"
+        "2 1 0:5 / /dev/shm rw - tmpfs tmpfs rw\n"
+        "3 2 0:6 / /dev/shm/fuse rw - fuse.sshfs host: rw,user_id=1000\n"
+        "4 3 0:7 / /dev/shm/fuse/t rw - tmpfs  rw\n"  # a tmpfs under it, its source empty
+        "5 1 0:8 / /home rw - nfs4 server:/home rw\n")
+    from snapguard import procfs
+
+    with procfs.using_procfs(str(root)):
+        assert procfs.mounts_on_path("/dev/shm/fuse/t")[-1]["fstype"] == "tmpfs"  # type: ignore[index]
+        assert take.in_tmpfs_dir("/dev/shm/snapguard-take-9-0123456789abcdef")
+        for path in ("/dev/shm/fuse/t/snapguard-take-9-0123456789abcdef",  # through FUSE
+                     "/home/u/snapguard-take-9-0123456789abcdef", "/snapguard-take-9-0123456789abcdef",
+                     "/dev/shm/../shm/snapguard-take-9-0123456789abcdef", "dev/shm/snapguard-take-9-0123456789abcdef"):
+            assert not take.in_tmpfs_dir(path), path
+            assert not take.remove_spill_name(path, 1, 2, 0, dry_run=True)
+    disk = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/var/tmp"))
+    try:
+        fd = os.open(disk, os.O_RDONLY)
+        on_tmpfs = files.fs_type(fd) == files.TMPFS_MAGIC
+        os.close(fd)
+        if not on_tmpfs:  # a real disk file of the right name, owner and inode: left alone
+            victim = disk / "snapguard-take-9-0123456789abcdef"
+            victim.write_bytes(b"x")
+            st = victim.stat()
+            assert not take.remove_spill_name(str(victim), st.st_dev, st.st_ino, st.st_uid)
+            assert victim.exists()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
