@@ -85,7 +85,15 @@ def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         # every logged step, replays included, has the uninterrupted run's loss bits
         bits = arm["bits"]
         assert bits["bit_identical"] and bits["rows_compared"] == bits["rows_logged"] > 10, (name, bits)
-        assert 0 < arm["goodput"] <= 1 and 0 <= arm["predicted_goodput"] <= 1, name
+        # at most what the arm could make at its own pace: the arms run one after another on a
+        # shared CPU, each against a reference run at another time, and one that got more of the
+        # CPU than the reference did steps faster than it (1.02 once, with a benchmark beside it);
+        # one step of slack for counting whole steps at the window's end
+        ref = report["reference"]
+        own_pace = ref["step_time_s"] / arm["step_time_s"] if arm.get("step_time_s") else 1.0
+        assert 0 < arm["goodput"] <= max(1.0, own_pace) * (1 + 1 / ref["steps_in_window"]), \
+            (name, arm["goodput"], own_pace)
+        assert 0 <= arm["predicted_goodput"] <= 1, name
         assert arm["difference_points"] == pytest.approx(100 * (arm["goodput"] - arm["predicted_goodput"]))
         assert arm["steps_lost_per_event"] == [e.get("steps_lost") for e in arm["events"]]
         # no context parity on the CPU, so no step is credited
