@@ -112,6 +112,9 @@ def criu_wrapper(path: Path, behaviour: str, *, real: str = CRIU, fill_dir: str 
               fits, the completion marker does not
       vanish  for `check`: run the real one, then make this script non-executable, so that the
               run that follows cannot start it (a CRIU removed between preflight and the dump)
+      kill-executor
+              run the real CRIU; after a dump that succeeded, SIGKILL the process that started
+              it (snapguard's executor: an executor killed between the dump and its cleanup)
     """
     pids = f"{path}.pids"
     run = {
@@ -124,6 +127,9 @@ def criu_wrapper(path: Path, behaviour: str, *, real: str = CRIU, fill_dir: str 
                 f'fi\n'
                 f'exit $rc',
         "vanish": f'exec "{real}" "$@"',
+        "kill-executor": f'"{real}" "$@"; rc=$?\n'
+                         'if [ "$1" = dump ] && [ "$rc" -eq 0 ]; then kill -KILL "$PPID"; fi\n'
+                         'exit $rc',
     }[behaviour]
     check = f'"{real}" check; rc=$?; chmod 0600 "$0"; exit $rc' if behaviour == "vanish" else f'exec "{real}" "$@"'
     path.write_text("#!/bin/sh\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard import image
+from snapguard import image, names
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
 
@@ -229,6 +230,48 @@ def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(
             values = t.values()
         expected = _moved_trainer_reference(max(i for i, _ in values))
         assert [h for _, h in values] == [expected[i] for i, _ in values]
+
+
+def test_a_spill_left_by_an_executor_killed_after_its_stop_dump_goes_with_the_next_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """The executor is SIGKILLed right after CRIU's stop dump of a spilling trainer (CRIU ended the
+    trainer; the executor never reached its cleanup): the trainer's spill stays in its tmpfs,
+    recorded in the state directory's spill journal. The next snapshot of a spilling trainer on
+    the node sweeps it: the name is gone, the record too, the result counts it."""
+    pytest.importorskip("torch")
+    from snapguard_lab.targets import BareTarget, criu_wrapper
+
+    spill_dir = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/dev/shm"))
+    request.addfinalizer(lambda: shutil.rmtree(spill_dir, ignore_errors=True))
+    monkeypatch.setenv("SNAPGUARD_TAKE_OFFLOAD_DEVICE", "cpu")
+    monkeypatch.setenv("SNAPGUARD_TAKE_SPILL_DIR", str(spill_dir))
+    with BareTarget(tmp_path / "first", script=MOVED_TRAINER, hook=True) as first:
+        first.start(lines=3)
+        first.configure(criu=str(criu_wrapper(tmp_path / "criu-kills", "kill-executor")))
+        pid = first.pid()
+        images = tmp_path / "first-img"
+        out = first.checkpoint(images, images)
+        assert out.returncode == -signal.SIGKILL, (out.returncode, out.stderr)
+        (left,) = list(spill_dir.iterdir())
+        named = names.TAKE_SPILL_SOURCE.fullmatch(left.name)
+        assert named is not None and named.group(1) == str(pid), left
+        journal = first.state_dir / "spills"
+        assert len(list(journal.iterdir())) == 1
+        deadline = time.monotonic() + 20
+        while first.alive() and time.monotonic() < deadline:  # CRIU ended it; reaped here
+            time.sleep(0.05)
+        assert not first.alive()
+        with BareTarget(tmp_path / "second", script=MOVED_TRAINER, hook=True) as second:
+            second.state_dir = first.state_dir  # the same node's executor state
+            second.configure()
+            second.start(lines=3)
+            images = tmp_path / "second-img"
+            out = second.checkpoint(images, images, leave_running=True)
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["counts"]["spills_removed"] == 1, out.stdout
+            assert not left.exists()
+            # the second trainer's own record stays while it lives (its name goes at its reload)
+            assert [r.name.split("-")[0] for r in journal.iterdir()] == [str(second.pid())]
 
 
 def test_held_workload_is_verified_while_criu_restores_it_and_never_released_corrupt(tmp_path: Path) -> None:
