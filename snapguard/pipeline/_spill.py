@@ -26,12 +26,9 @@ from .. import files, names, procfs
 from ..hooks import take
 from ..reasons import Reason, SnapguardError
 
-
 __all__ = ["SpillCopies", "image_spills", "open_image_spills", "sweep"]
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 _RECORD = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.json")  # _record_name's
 _RECORD_MAX = 4096
 
@@ -110,14 +107,12 @@ def sweep(journal_dir: str) -> list[str]:
             record = _read_record(dir_fd, entry.name)
             keep = False
             if record is not None:
-                path, dev, ino, uid = record["path"], record["dev"], record["ino"], record["uid"]
-                lives = procfs.alive(record["pid"]) and procfs.start_ticks(record["pid"]) == record["start"]
+                spill = (record["path"], record["dev"], record["ino"], record["uid"])
                 # looked up only in a tmpfs directory (remove_spill_name): a lookup cannot hang
-                if take.remove_spill_name(path, dev, ino, uid, dry_run=True):
-                    if lives:
-                        keep = True  # it removes its own name at its reload
-                    elif take.remove_spill_name(path, dev, ino, uid):
-                        removed.append(path)
+                if procfs.alive(record["pid"]) and procfs.start_ticks(record["pid"]) == record["start"]:
+                    keep = take.remove_spill_name(*spill, dry_run=True)  # it removes its own name at its reload
+                elif take.remove_spill_name(*spill):
+                    removed.append(record["path"])
             if not keep:
                 try:
                     os.unlink(entry.name, dir_fd=dir_fd)
