@@ -12,7 +12,8 @@ unix socket for one request per connection:
   release           -> go on (a descriptor sent with it: the spilled bytes' file to reload from)
 While held, the trainer's own thread has synchronised, moved its tensors' bytes from the GPU into
 host memory (`_Offload`: the driver's checkpoint then copies little; back on the release; off with
-SNAPGUARD_TAKE_OFFLOAD=0), emptied PyTorch's device and pinned host caches and trimmed the C heap,
+SNAPGUARD_TAKE_OFFLOAD=0), freed cuBLAS's workspaces (where the move ran: no CUDA graph), emptied
+PyTorch's device and pinned host caches and trimmed the C heap,
 and makes no CUDA call; it goes on by itself after SNAPGUARD_TAKE_HOLD_S, so a lost executor cannot
 hold it forever. Asked with `spill`, the bytes go into a tmpfs file of its own (`_SpillArena`,
 SNAPGUARD_TAKE_SPILL_DIR; else the node's huge-page tmpfs /run/snapguard-spill where there is one,
@@ -361,6 +362,21 @@ def _host_anon_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def _clear_cublas_workspaces(torch: Any) -> bool:
+    """Free the workspaces PyTorch keeps per cuBLAS handle and stream (32 MiB or more each, in
+    the caching allocator, so emptying the cache alone keeps them): the driver's checkpoint would
+    copy them into the image. The next matmul allocates one again, of the same size, so cuBLAS
+    picks the same algorithms. Whether they were freed (PyTorch without the call: not)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    try:
+        clear()
+        return True
+    except Exception:
+        return False
 
 
 def _malloc_trim() -> None:
@@ -1227,7 +1243,12 @@ class _TakePoint:
                          deadline=self.armed_at + 0.7 * self.wait_s, spill_dir=spill_dir)
             with self.lock:
                 self.handover_fd, offload.spill_fd = offload.spill_fd, None
+        workspaces = None
         if cuda:
+            if offload is not None and offload.figures.get("state") in ("moved", "partial"):
+                # the move found no CUDA graph and no private pool (a graph's kernels would keep
+                # using the workspace they were captured with): cuBLAS's workspaces go too
+                workspaces = _clear_cublas_workspaces(torch)
             torch.cuda.empty_cache()
             host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned staging buffers
             if host_empty is not None:
@@ -1243,6 +1264,7 @@ class _TakePoint:
             "host_anon_after": _host_anon_bytes(),
             "trim_s": time.monotonic() - t0,
             **({"grads_dropped_bytes": grads_dropped} if grads_dropped is not None else {}),
+            **({"cublas_workspaces_cleared": workspaces} if workspaces is not None else {}),
             "requested_at": self.requested_at,  # when the take arrived (unix time)
             "held_at": time.time(),
         }
