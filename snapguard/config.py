@@ -47,6 +47,9 @@ DEFAULTS = {
     # a stop snapshot's page files are hashed while CRIU writes them
     # (snapguard.image.PageFileHasher): the seal after the dump hashes only the rest
     "hash_while_dumping": True,
+    # a restore asks the kernel to read CRIU, its libraries and plugins, cuda-checkpoint and the
+    # image's small files before the digest check's large reads begin (snapguard.prefetch)
+    "restore_prefetch": True,
 }
 
 ENV_OVERRIDES = {
@@ -61,6 +64,7 @@ ENV_OVERRIDES = {
 SWITCH_OVERRIDES = {
     "cuda_broker": "SNAPGUARD_CUDA_BROKER_ON",
     "hash_while_dumping": "SNAPGUARD_HASH_WHILE_DUMPING_ON",
+    "restore_prefetch": "SNAPGUARD_RESTORE_PREFETCH_ON",
 }
 
 _SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
@@ -94,6 +98,7 @@ class Config:
     take_wait_s: int
     cuda_broker: bool
     hash_while_dumping: bool
+    restore_prefetch: bool
 
     def __init__(self, values: dict[str, object], source: str | None, source_stat: os.stat_result | None = None) -> None:
         self.source = source

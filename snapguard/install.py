@@ -93,6 +93,7 @@ CONFIG_COMMENTS = {
     "take_wait_s": "how long a snapshot waits for the workload's take point, seconds",
     "cuda_broker": "the executor answers CRIU's CUDA plugin itself while CRIU runs (shorter stall and restore)",
     "hash_while_dumping": "the image's page files are hashed while CRIU writes them (a shorter seal)",
+    "restore_prefetch": "a restore has CRIU's files read ahead of the image's digest check (a cold restore)",
 }
 # every on/off switch: at its default it is left out of the config written (see _plan_config)
 UNWRITTEN_DEFAULTS = tuple(SWITCH_OVERRIDES)

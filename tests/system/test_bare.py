@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from snapguard import image, names
+from snapguard import image, names, prefetch
+from snapguard.config import load
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
 
@@ -312,16 +313,24 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         pages.write_bytes(bytes(data))
         out = t.restore(images, images)
         assert out.returncode == 0, out.stderr
-        timings = json.loads(out.stdout)["timings"]
+        result = json.loads(out.stdout)
+        timings = result["timings"]
         assert "verify_wait_s" in timings and "verify_s" not in timings, timings
+        # read ahead of the digest check: at least CRIU and its libraries, and CRIU's small files
+        small = [n for n, f in manifest["files"].items() if f["size"] <= 4 << 20]
+        criu_files = prefetch.closure(load(t.env()).criu)
+        assert len(criu_files) > 1 and result["counts"]["read_ahead_files"] >= len(criu_files) + len(small), result
+        assert "read_ahead_s" in timings, timings
         assert t.advancing(), "the restored trainer does not step"
     with BareTarget(tmp_path / "counter") as c:  # not held: the whole image first, as always
         c.start(lines=3)
         images = snapshot(c, "counter-img")
-        out = c.restore(images, images)
+        out = c.restore(images, images, extra_env={"SNAPGUARD_RESTORE_PREFETCH_ON": "0"})
         assert out.returncode == 0, out.stderr
-        timings = json.loads(out.stdout)["timings"]
+        result = json.loads(out.stdout)
+        timings = result["timings"]
         assert "verify_s" in timings and 0 < timings["criu_s"] <= timings["restore_s"], timings
+        assert "read_ahead_files" not in result.get("counts", {}) and "read_ahead_s" not in timings, result  # switched off
 
 
 def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: Path,
