@@ -541,13 +541,14 @@ class Bench:
 
 VM_LEVELS = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "nr_free_pages")
 VM_EVENTS = ("pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "compact_stall",
-             "thp_fault_alloc", "thp_split_page", "allocstall_normal", "allocstall_movable", "pgmajfault")
+             "thp_fault_alloc", "thp_split_page", "thp_file_alloc", "thp_file_fallback", "allocstall_normal", "allocstall_movable", "pgmajfault")
 VM_COUNTERS = VM_LEVELS + VM_EVENTS
 
 
 def vm_counters() -> dict[str, int]:
     """The kernel's memory counters (/proc/vmstat, in pages or events) a large dump may be slowed by:
-    the dirty page limits and writeback, reclaim and compaction, huge pages split."""
+    the dirty page limits and writeback, reclaim and compaction, huge pages made (thp_file_alloc: a
+    tmpfs's, the take point's spill) or split."""
     out: dict[str, int] = {}
     for line in _read(Path("/proc/vmstat")).splitlines():
         key, _, value = line.partition(" ")
