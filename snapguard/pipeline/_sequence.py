@@ -476,11 +476,13 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
 def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str | None:
     """The spill journal's directory in the state directory, swept first: the names of spills
     whose trainers are gone, left by an executor that died before it could remove them
-    (`_spill.sweep`), removed now. A journal that cannot be kept is a warning (spills of
+    (`_spill.sweep`), removed now, and those no executor heard of whose trainers are gone
+    (`_spill.sweep_orphans`). A journal that cannot be kept is a warning (spills of
     trainers that die with their executor may then stay), not a refused snapshot: None."""
     try:
-        journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
         with steps.timed("spill_sweep"):
+            orphans = _spill.sweep_orphans()  # no journal needed: found by their names
+            journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
             removed = _spill.sweep(journal)
     except (OSError, UntrustedPathError) as e:
         warnings.append(Finding(Reason.PREFLIGHT_FAILED, f"the spill journal in {config.state_dir} cannot be kept: "
@@ -489,6 +491,8 @@ def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str
         return None
     if removed:
         steps.counts["spills_removed"] = len(removed)
+    if orphans:
+        steps.counts["orphan_spills_removed"] = len(orphans)
     return journal
 
 

@@ -10,7 +10,9 @@ passes each trainer its image file with the release (`open_image_spills`).
 Each spill handed over is also recorded in the state directory (root's alone) until its name is
 gone: an executor killed after a stop snapshot's dump, before it could remove the names of its
 trainers' spills, leaves them (each as large as an optimizer's state, in memory) to the next
-snapshot or restore on the node, which sweeps them (`sweep`).
+snapshot or restore on the node, which sweeps them (`sweep`). A spill that never reached an
+executor (its trainer killed while it filled it) has no record: the same sweep finds it by its
+name in the default spill directories (`sweep_orphans`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from .. import files, names, procfs
 from ..hooks import take
 from ..reasons import Reason, SnapguardError
 
-__all__ = ["SpillCopies", "image_spills", "open_image_spills", "sweep"]
+__all__ = ["DEFAULT_SPILL_DIRS", "ORPHAN_AGE_S", "SpillCopies", "image_spills", "open_image_spills", "sweep",
+           "sweep_orphans"]
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RECORD = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.json")  # _record_name's
@@ -120,6 +123,63 @@ def sweep(journal_dir: str) -> list[str]:
                     pass
     finally:
         os.close(dir_fd)
+    return removed
+
+
+# Where a trainer spills unless SNAPGUARD_TAKE_SPILL_DIR says elsewhere (snapguard.hooks._workload)
+DEFAULT_SPILL_DIRS = (names.SPILL_TMPFS, "/dev/shm")
+ORPHAN_AGE_S = 600.0  # younger spills are left alone, whatever their name's pid says
+
+
+def sweep_orphans(dirs: tuple[str, ...] = DEFAULT_SPILL_DIRS, *, min_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Remove spills no executor heard of, whose trainer is gone: one killed while it filled its
+    spill (the kernel's OOM killer, in the middle of a large take) or before its answer reached
+    the executor leaves a name no journal record covers, as large as its optimizer's state, in
+    memory, for as long as the node runs.
+
+    In each of `dirs` that is a tmpfs directory (`take.in_tmpfs_dir`: looked up without a chance
+    to hang), a name of the take point's form (`names.TAKE_SPILL_SOURCE`, which holds its
+    trainer's pid) is removed when it is a regular file (no link followed) last changed more than
+    `min_age_s` ago, and its pid is no process, or one that started after the file was last
+    changed (the pid was given again), or one of another user than the file's owner. A trainer
+    that lives started before its spill was written, and as its owner. A trainer in another pid
+    namespace that spills here names a pid of its own namespace: the age keeps a spill under way
+    safe from such a mix-up. The names removed."""
+    removed: list[str] = []
+    now = time.time()
+    boot = now - time.clock_gettime(time.CLOCK_BOOTTIME)  # wall time of the boot, sub-second
+    hz = os.sysconf("SC_CLK_TCK")
+    for directory in dirs:
+        if not take.in_tmpfs_dir(os.path.join(directory, "x")):
+            continue
+        try:
+            dir_fd = os.open(directory, _O_DIR)
+        except OSError:
+            continue
+        try:
+            entries = [entry.name for entry in os.scandir(dir_fd)]
+        except OSError:
+            entries = []
+        try:
+            for name in entries:
+                match = names.TAKE_SPILL_SOURCE.fullmatch(name)
+                if match is None:
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:
+                    continue
+                pid = int(match.group(1))
+                start, uid = procfs.start_ticks(pid), procfs.euid(pid)
+                if start is not None and uid == st.st_uid and boot + start / hz < st.st_ctime:
+                    continue  # its trainer, most likely, alive
+                path = os.path.join(directory, name)
+                if take.remove_spill_name(path, st.st_dev, st.st_ino, st.st_uid):  # still that file
+                    removed.append(path)
+        finally:
+            os.close(dir_fd)
     return removed
 
 

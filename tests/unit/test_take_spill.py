@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -559,6 +560,64 @@ def test_an_executor_that_dies_leaves_its_spills_to_the_next_sweep(shm: Path, tm
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_spill_no_executor_heard_of_goes_once_its_trainer_is_gone(shm: Path, tmp_path: Path) -> None:
+    """A trainer killed while it filled its spill leaves a name no journal covers: found by its
+    name in the spill directories, removed once its pid is no process, or one that started after
+    the file was written (the pid given again) or runs as another user; kept while the trainer
+    lives, and while the file is younger than the sweep's age. Nothing but a regular file of
+    the take point's name is touched, and no link is followed."""
+    gone = _trainer_child(0)
+    gone.wait()
+    living = _trainer_child(30)
+    try:
+        time.sleep(0.05)  # the living trainer started before its spill was written
+        dead_spill = shm / f"snapguard-take-{gone.pid}-0123456789abcdef"
+        live_spill = shm / f"snapguard-take-{living.pid}-0123456789abcdef"
+        for f in (dead_spill, live_spill):
+            f.write_bytes(b"x" * 4096)
+        other = shm / "snapguard-take-1-notaspillname"
+        other.write_bytes(b"y")
+        target = tmp_path / "outside"
+        target.write_bytes(b"z")
+        link = shm / f"snapguard-take-{gone.pid}-fedcba9876543210"
+        link.symlink_to(target)
+        assert _spill.sweep_orphans((str(shm),)) == []  # all younger than the sweep's age
+        assert _spill.sweep_orphans((str(shm), str(tmp_path)), min_age_s=0) == [str(dead_spill)]
+        assert not dead_spill.exists() and live_spill.exists() and other.exists()
+        assert link.is_symlink() and target.exists()
+        # a pid given again: files for the next pids written first, then a process takes one of
+        # them (pids are handed out in order), having started after its file was written
+        last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+        ahead = {pid: shm / f"snapguard-take-{pid}-0123456789abcdef" for pid in range(last + 1, last + 200)}
+        for f in ahead.values():
+            f.write_bytes(b"x")
+        time.sleep(0.05)
+        later = _trainer_child(30)
+        try:
+            for pid, f in ahead.items():
+                if pid != later.pid:
+                    f.unlink()
+            if later.pid in ahead:  # else 200 other processes started meanwhile: nothing to tell
+                assert _spill.sweep_orphans((str(shm),), min_age_s=0) == [str(ahead[later.pid])]
+        finally:
+            later.kill()
+            later.wait()
+        if os.geteuid() == 0:  # a process of another user under the pid: not the trainer
+            other_user = subprocess.Popen(["/bin/sleep", "30"], user=65534)
+            try:
+                time.sleep(0.05)
+                theirs = shm / f"snapguard-take-{other_user.pid}-0123456789abcdef"
+                theirs.write_bytes(b"x")
+                assert _spill.sweep_orphans((str(shm),), min_age_s=0) == [str(theirs)]
+            finally:
+                other_user.kill()
+                other_user.wait()
+        assert live_spill.exists()
+    finally:
+        living.kill()
+        living.wait()
 
 
 def test_a_sweep_acts_only_on_records_as_snapguard_writes_them(shm: Path, tmp_path: Path) -> None:
