@@ -548,19 +548,19 @@ class _ReadAhead:
 
     def _tools(self, config: Config) -> None:
         try:
-            plugins = sorted(e.path for e in os.scandir(config.criu_libdir)
-                             if e.name.endswith(".so") and e.is_file(follow_symlinks=False))
-        except OSError:
-            plugins = []
-        tool = resolve_cuda_checkpoint(config)
-        try:
+            try:
+                plugins = sorted(e.path for e in os.scandir(config.criu_libdir)
+                                 if e.name.endswith(".so") and e.is_file(follow_symlinks=False))
+            except OSError:
+                plugins = []
+            tool = resolve_cuda_checkpoint(config)
             self.files, self.bytes = prefetch.read_ahead([config.criu, *plugins, *([tool] if tool else [])],
                                                          wait=True)
-        except Exception:  # a hint: whatever it could not read, its program reads as before
+        except Exception:  # a hint, in a thread of its own: what it could not read, its program reads as before
             pass
 
     def image(self, inspected: image.Inspected, steps: _Steps) -> None:
-        """The tools' thread awaited (a second at most), the image's small files asked for."""
+        """The tools' thread awaited (a second at most), the image's small files read."""
         if self._thread is None:
             return
         with steps.timed("read_ahead"):

@@ -85,3 +85,27 @@ def test_willneed_at_follows_no_link_and_opens_only_regular_files(tmp_path: Path
         assert prefetch.willneed_at(fd, names, wait=True) == (1, 100)
     finally:
         os.close(fd)
+
+
+def test_a_damaged_elf_header_is_read_as_nothing_more(tmp_path: Path) -> None:
+    """Offsets and counts a damaged file makes up (past the file, past what an offset can be,
+    bytes at random) never raise: the file alone, or what its intact part names."""
+    import random
+    import struct
+
+    good = Path(os.path.realpath(sys.executable)).read_bytes()[:65536]
+    rng = random.Random(7)
+    cases = [(32, "<Q", 2**64 - 1), (32, "<Q", 2**40), (54, "<H", 0xFFFF), (56, "<H", 0xFFFF), (54, "<H", 1)]
+    for n, (offset, fmt, value) in enumerate(cases):
+        data = bytearray(good)
+        struct.pack_into(fmt, data, offset, value)
+        path = tmp_path / f"bad-{n}"
+        path.write_bytes(bytes(data))
+        assert prefetch.closure(str(path))[0] == str(path)
+    for n in range(20):
+        data = bytearray(good)
+        for _ in range(50):
+            data[rng.randrange(16, len(data))] = rng.randrange(256)
+        path = tmp_path / f"noise-{n}"
+        path.write_bytes(bytes(data))
+        assert prefetch.closure(str(path))[0] == str(path)
