@@ -179,7 +179,8 @@ def spill_tmpfs() -> dict[str, object]:
                               "huge_pages": huge in ("within_size", "advise", "always") or forced}
     if not out["huge_pages"]:
         out["hint"] = (f"spills fill 4 KiB pages; mount a tmpfs with huge pages at {SPILL_TMPFS}: "
-                       f"mount -t tmpfs -o mode=1777,huge=within_size,size=50% snapguard-spill {SPILL_TMPFS}")
+                       f"mount -t tmpfs -o mode=1777,huge=within_size,size=50% snapguard-spill {SPILL_TMPFS} "
+                       f"(the Debian package's unit: systemctl start snapguard-spill)")
     return out
 
 

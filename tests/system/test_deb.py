@@ -21,9 +21,10 @@ from tests.launcher_compiler import pinned_compiler_usable
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ["/opt/snapguard/venv", "/etc/snapguard", "/var/lib/snapguard"]
-ENABLED = ["/etc/systemd/system/multi-user.target.wants/snapguard-preflight.service",
-           "/var/lib/systemd/deb-systemd-helper-enabled/snapguard-preflight.service.dsh-also",
-           "/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/snapguard-preflight.service"]
+ENABLED = [path for unit in ("snapguard-preflight.service", "snapguard-spill.service")
+           for path in (f"/etc/systemd/system/multi-user.target.wants/{unit}",
+                        f"/var/lib/systemd/deb-systemd-helper-enabled/{unit}.dsh-also",
+                        f"/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/{unit}")]
 
 
 LAUNCHER = "/opt/snapguard/venv/bin/snapguard-runc-launcher"
@@ -54,7 +55,8 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
     listing = _run("dpkg-deb", "-c", str(deb)).stdout.splitlines()
     paths = [line.split(None, 5)[5].split(" -> ")[0].lstrip(".").rstrip("/") or "/" for line in listing]
     assert {"/opt/snapguard/venv/bin/snapguard-runc", "/usr/bin/snapguard", "/usr/bin/snapguard-runc",
-            "/etc/snapguard/config.toml", "/lib/systemd/system/snapguard-preflight.service"} <= set(paths)
+            "/etc/snapguard/config.toml", "/lib/systemd/system/snapguard-preflight.service",
+            "/lib/systemd/system/snapguard-spill.service"} <= set(paths)
     site = next(p for p in paths if p.endswith("/site-packages"))
     assert {f"{site}/snapguard/hooks/site/sitecustomize.py", f"{site}/snapguard/_procscan.abi3.so",
             f"{site}/prometheus_client/__init__.py", f"{site}/snapguard/_c_helpers/runc_launcher.c",
@@ -95,6 +97,12 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
         assert "snapguard_node_ready" in prom and 'snapguard_check_ok{check="criu"}' in prom
         unit = Path("/lib/systemd/system/snapguard-preflight.service").read_text()
         assert "ExecStart=/opt/snapguard/venv/bin/snapguard metrics" in unit and "Type=oneshot" in unit
+        # the spill tmpfs, with huge pages, at the path the take points look for; both units
+        # enabled for the next boot, neither started by the install
+        spill = Path("/lib/systemd/system/snapguard-spill.service").read_text()
+        assert re.search(r"^ExecStart=/bin/mount -t tmpfs -o \S*huge=within_size\S* snapguard-spill "
+                         r"/run/snapguard-spill$", spill, re.M), spill
+        assert [p for p in ENABLED if p.startswith("/etc/") and not os.path.lexists(p)] == []
 
         # `snapguard install` from the package builds the launcher from the package's sources (with
         # the pinned compiler, where there is one) beside the package's snapguard-runc and names it,
