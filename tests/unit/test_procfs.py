@@ -14,6 +14,7 @@ import pytest
 
 from snapguard import procfs
 from snapguard.reasons import Reason, SnapguardError
+from tests.fake_proc import with_mountinfo
 
 
 def _refusal(pid: int) -> Reason:
@@ -111,16 +112,15 @@ def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_pat
     """mountinfo's mount point (octal escapes undone) and the filesystem's own options, after
     the " - " separator; a mount stacked on another at the same point wins; a lookalike prefix
     (/run/ab against /run/a) does not hold the path. And the real one: / holds everything."""
-    root = tmp_path / "proc"
-    (root / "self").mkdir(parents=True)
-    (root / "self" / "mountinfo").write_text(
-        "1 0 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        "2 1 0:5 / /run rw,nosuid shared:2 - tmpfs tmpfs rw,size=100k,mode=755\n"
-        "3 2 0:6 / /run/a rw shared:3 - tmpfs tmpfs rw,size=4k\n"
-        "4 3 0:7 / /run/a rw shared:4 master:9 - tmpfs spill rw,size=8k,huge=within_size\n"
-        "5 2 0:8 / /run/with\\040space rw - tmpfs x rw\n"
-        "6 2 0:9 / /run/blank rw - tmpfs  rw,huge=advise\n"  # an empty source
-        "garbage line\n")
+    root = with_mountinfo(
+        tmp_path,
+        "1 0 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw",
+        "2 1 0:5 / /run rw,nosuid shared:2 - tmpfs tmpfs rw,size=100k,mode=755",
+        "3 2 0:6 / /run/a rw shared:3 - tmpfs tmpfs rw,size=4k",
+        "4 3 0:7 / /run/a rw shared:4 master:9 - tmpfs spill rw,size=8k,huge=within_size",
+        "5 2 0:8 / /run/with\\040space rw - tmpfs x rw",
+        "6 2 0:9 / /run/blank rw - tmpfs  rw,huge=advise",  # an empty source
+        "garbage line")
     with procfs.using_procfs(str(root)):
         got = procfs.mount_of("/run/a/f")
         assert got == {"mount_point": "/run/a", "fstype": "tmpfs",

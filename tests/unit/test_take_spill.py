@@ -26,6 +26,7 @@ from snapguard.hooks import take  # noqa: E402
 from snapguard.hooks._workload import _Offload, _SpillArena, _TakePoint, _serve  # noqa: E402
 from snapguard.pipeline import _spill  # noqa: E402
 from snapguard.reasons import Reason, SnapguardError  # noqa: E402
+from tests.fake_proc import with_mountinfo  # noqa: E402
 
 
 @pytest.fixture
@@ -835,14 +836,13 @@ def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path
     mountinfo says the directory is on a tmpfs reached through no file system whose lookups can
     wait on a daemon or a server (a FUSE mount, NFS, an automounter): a path anywhere else, or not
     canonical, is neither taken with a take's answer nor looked up."""
-    root = tmp_path / "proc"
-    (root / "self").mkdir(parents=True)
-    (root / "self" / "mountinfo").write_text(
-        "1 0 8:1 / / rw - ext4 /dev/vda rw\n"
-        "2 1 0:5 / /dev/shm rw - tmpfs tmpfs rw\n"
-        "3 2 0:6 / /dev/shm/fuse rw - fuse.sshfs host: rw,user_id=1000\n"
-        "4 3 0:7 / /dev/shm/fuse/t rw - tmpfs  rw\n"  # a tmpfs under it, its source empty
-        "5 1 0:8 / /home rw - nfs4 server:/home rw\n")
+    root = with_mountinfo(
+        tmp_path,
+        "1 0 8:1 / / rw - ext4 /dev/vda rw",
+        "2 1 0:5 / /dev/shm rw - tmpfs tmpfs rw",
+        "3 2 0:6 / /dev/shm/fuse rw - fuse.sshfs host: rw,user_id=1000",
+        "4 3 0:7 / /dev/shm/fuse/t rw - tmpfs  rw",  # a tmpfs under it, its source empty
+        "5 1 0:8 / /home rw - nfs4 server:/home rw")
     from snapguard import procfs
 
     with procfs.using_procfs(str(root)):
