@@ -31,7 +31,8 @@ from typing import Any
 from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "stray_under", "trainers"]
+__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "stray_under",
+           "tmpfs_dir", "trainers"]
 
 
 def socket_for(pid: int, proc: str | None = None) -> str | None:
@@ -175,17 +176,22 @@ _MAY_HANG = ("fuse", "autofs", "nfs", "cifs", "smb", "9p", "ceph", "glusterfs", 
              "sshfs", "virtiofs")
 
 
-def in_tmpfs_dir(path: str) -> bool:
-    """Whether `path` (absolute and canonical, as a trainer reports its spill) is a name in a
-    directory on a tmpfs reached through no file system whose lookups may wait on something
-    outside the kernel (`_MAY_HANG`): told from mountinfo alone, before root looks anything up
-    along a path a trainer chose."""
-    if not path.startswith("/") or os.path.normpath(path) != path:
+def tmpfs_dir(directory: str) -> bool:
+    """Whether `directory` (absolute and canonical) is on a tmpfs reached through no file system
+    whose lookups may wait on something outside the kernel (`_MAY_HANG`): told from mountinfo
+    alone, before root looks anything up along it."""
+    if not directory.startswith("/") or os.path.normpath(directory) != directory:
         return False
-    chain = procfs.mounts_on_path(os.path.dirname(path))
+    chain = procfs.mounts_on_path(directory)
     if not chain:
         return False
     return chain[-1]["fstype"] == "tmpfs" and not any(str(m["fstype"]).startswith(_MAY_HANG) for m in chain)
+
+
+def in_tmpfs_dir(path: str) -> bool:
+    """Whether `path` (absolute and canonical, as a trainer reports its spill) is a name in a
+    `tmpfs_dir`: a path a trainer chose, looked up by root only there."""
+    return path.startswith("/") and os.path.normpath(path) == path and tmpfs_dir(os.path.dirname(path))
 
 
 def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run: bool = False) -> bool:

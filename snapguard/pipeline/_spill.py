@@ -137,7 +137,7 @@ def sweep_orphans(dirs: tuple[str, ...] = DEFAULT_SPILL_DIRS, *, min_age_s: floa
     the executor leaves a name no journal record covers, as large as its optimizer's state, in
     memory, for as long as the node runs.
 
-    In each of `dirs` that is a tmpfs directory (`take.in_tmpfs_dir`: looked up without a chance
+    In each of `dirs` that is a tmpfs directory (`take.tmpfs_dir`: looked up without a chance
     to hang), a name of the take point's form (`names.TAKE_SPILL_SOURCE`, which holds its
     trainer's pid) is removed when it is a regular file (no link followed) last changed more than
     `min_age_s` ago, and its pid is no process, or one that started after the file was last
@@ -150,7 +150,7 @@ def sweep_orphans(dirs: tuple[str, ...] = DEFAULT_SPILL_DIRS, *, min_age_s: floa
     boot = now - time.clock_gettime(time.CLOCK_BOOTTIME)  # wall time of the boot, sub-second
     hz = os.sysconf("SC_CLK_TCK")
     for directory in dirs:
-        if not take.in_tmpfs_dir(os.path.join(directory, "x")):
+        if not take.tmpfs_dir(directory):
             continue
         try:
             dir_fd = os.open(directory, _O_DIR)
