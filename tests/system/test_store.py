@@ -481,8 +481,14 @@ def test_pull_of_a_file_of_several_spans_and_into_a_full_file_system(tmp_path: P
     with pytest.raises(OSError) as e:
         store.pull(ref, str(small_tmpfs / "dest"), durable=False)
     assert e.value.errno == errno.ENOSPC and not (small_tmpfs / "dest").exists()
-    # room at the check, gone during the copy: another writer fills the file system meanwhile
+    # room at the check, gone during the copy: another writer fills the file system meanwhile.
+    # It leaves the copy 8 MiB of room beyond the file before the pull (so the check passes), and
+    # takes those 8 MiB once the copy exists: a race of 8 MiB against the copy's 128 MiB, which it
+    # wins, where filling all of the room once the copy existed could lose to a fast copy
     (small_tmpfs / "filler").unlink()
+    room = os.statvfs(small_tmpfs)
+    spare = room.f_bavail * room.f_frsize - (img / "pages-1.img").stat().st_size - (8 << 20)
+    (small_tmpfs / "filler").write_bytes(block * (spare >> 20))
     stop = threading.Event()
 
     def fill() -> None:
