@@ -22,7 +22,7 @@ import platform
 import stat
 import struct
 
-__all__ = ["closure", "read_ahead", "willneed_at"]
+__all__ = ["closure", "criu_plugins", "read_ahead", "willneed_at"]
 
 _MAX_FILES = 128  # a binary and its libraries: CRIU needs about 25
 _DYNAMIC_MAX = 1 << 20  # the dynamic section and its strings: a few KB in any real file
@@ -128,6 +128,17 @@ def read_ahead(binaries: list[str], wait: bool = False) -> tuple[int, int]:
                 finally:
                     os.close(fd)
     return len(seen), sum(sizes)
+
+
+def criu_plugins(libdir: str) -> list[str]:
+    """The plugins CRIU loads from `libdir`, sorted: every entry whose name ends in ".so", a link
+    among them (CRIU dlopen()s each such name, following links; snapguard.trust checks the same
+    set); [] where the directory cannot be listed."""
+    try:
+        names = os.listdir(libdir)
+    except OSError:
+        return []
+    return sorted(os.path.join(libdir, name) for name in names if name.endswith(".so"))
 
 
 def _read_through(fd: int) -> None:

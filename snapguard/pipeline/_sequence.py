@@ -548,11 +548,7 @@ class _ReadAhead:
 
     def _tools(self, config: Config) -> None:
         try:
-            try:
-                plugins = sorted(e.path for e in os.scandir(config.criu_libdir)
-                                 if e.name.endswith(".so") and e.is_file(follow_symlinks=False))
-            except OSError:
-                plugins = []
+            plugins = prefetch.criu_plugins(config.criu_libdir)
             tool = resolve_cuda_checkpoint(config)
             self.files, self.bytes = prefetch.read_ahead([config.criu, *plugins, *([tool] if tool else [])],
                                                          wait=True)

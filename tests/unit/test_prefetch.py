@@ -69,6 +69,21 @@ def test_read_ahead_counts_each_file_once(tmp_path: Path) -> None:
     assert again_files == files + 1 and again_size == size + copy.stat().st_size
 
 
+def test_criu_plugins_are_every_so_name_a_link_among_them(tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere.so"
+    real.write_bytes(b"\x7fELF")
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    (libdir / "b_plugin.so").write_bytes(b"\x7fELF")
+    (libdir / "a_link.so").symlink_to(real)  # CRIU dlopen()s it through the link: read ahead too
+    (libdir / "notes.txt").write_text("x")
+    (libdir / "sub.so.d").mkdir()
+    assert prefetch.criu_plugins(str(libdir)) == [str(libdir / "a_link.so"), str(libdir / "b_plugin.so")]
+    files, size = prefetch.read_ahead(prefetch.criu_plugins(str(libdir)), wait=True)
+    assert files == 2 and size == 8
+    assert prefetch.criu_plugins(str(tmp_path / "missing")) == []
+
+
 def test_willneed_at_follows_no_link_and_opens_only_regular_files(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.write_bytes(b"x" * 5000)
