@@ -38,6 +38,8 @@ the budget, are skipped and recorded so; every trainer is killed at the end.
                                                     # 4 KiB pages, against setup.sh's huge-page tmpfs
     .venv/bin/python bench/gpu/scaling.py /tmp/s.json --sizes 48x1,96x2 --steps 60 \\
         --trainer-args "--device cpu --batch 1"                     # the machinery on a CPU
+    python3 bench/gpu/scaling.py OUT.json --merge A.json B.json     # one table from runs that each
+                                                    # ran every arm of their sizes (a device call's limit)
 
 Sizes: 85m (768x12), 350m (1152x22), 1.2b (2040x24), or WIDTHxLAYERS. train.py's GPT has 12 heads,
 so the width must be a multiple of 12 (2048, the issue's 1.2 B width, is not: 2040 is used).
@@ -708,6 +710,40 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(out: Path, runs: list[Path]) -> int:
+    """One report from several runs (each ran every arm of its sizes in one command; a device call's
+    limit keeps all three sizes from one): their sizes in order, the marginal costs between them,
+    and each size's source run, date and versions."""
+    merged: dict[str, Any] = {"merged_from": [], "sizes": [], "notes": []}
+    for path in runs:
+        try:
+            report = json.loads(path.read_text())
+            sizes = report["sizes"]
+            if not isinstance(sizes, list):
+                raise TypeError("sizes is not a list")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"scaling.py: --merge {path}: not a scaling.py report: {e}", file=sys.stderr)
+            return 2
+        done = [s for s in sizes if isinstance(s, dict) and s.get("arms") and not s.get("skipped")]
+        names = [s["size"] for s in done]
+        if dup := [n for n in names if n in {s["size"] for s in merged["sizes"]}]:
+            print(f"scaling.py: --merge {path}: size {dup[0]} is in an earlier run too", file=sys.stderr)
+            return 2
+        merged["merged_from"].append({"path": str(path), "date": report.get("date"), "argv": report.get("argv"),
+                                      "versions": report.get("versions"), "sizes": names})
+        merged["sizes"] += [{**s, "run": str(path)} for s in done]
+        for note in report.get("notes", []):
+            if note not in merged["notes"]:
+                merged["notes"].append(note)
+    merged["marginal"] = marginal(merged["sizes"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    text = render(merged)
+    out.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 # -- main --------------------------------------------------------------------------------------
 
 class _Terminated(Exception):
@@ -761,7 +797,12 @@ def main() -> int:
     ap.add_argument("--child-timeout-s", type=float, default=300.0, help="deadline on every wait and CRIU run")
     ap.add_argument("--workdir", help="images and files (default: a new directory in /var/tmp, removed at the end)")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: write OUT (and its table) from these runs' sizes, in order, with the "
+                         "marginal costs between them; each size must come from one run")
     args = ap.parse_args()
+    if args.merge:
+        return merge(Path(args.out), [Path(p) for p in args.merge])
     t0 = time.monotonic()
     try:
         sizes = parse_sizes(args.sizes)
