@@ -3,7 +3,7 @@
 A global optimizer step post-hook is registered the moment `torch.optim.optimizer` is imported, so
 every rank of a job counts the same optimizer steps from its first. A daemon thread listens on a
 unix socket for one request per connection:
-  status            -> {"step": steps completed, "spill": whether it can spill, ...}
+  status            -> {"step": steps completed, "spill": whether it can spill, "spill_dir": where, ...}
   take <seconds> [spill]
                     -> hold at the end of the next step
   take-at <S> <s> [spill]
@@ -1188,9 +1188,10 @@ class _TakePoint:
     resolve_error: str | None = None
 
     def status(self) -> dict[str, Any]:
+        spill_dir = _spill_dir()
         out: dict[str, Any] = {"resolve": self.resolve,
                                "gpu_handles_dropped_in_children": self.resolve and _fork_handler is not None,
-                               "spill": _spill_dir() is not None, "spill_busy": self.spill_busy}
+                               "spill": spill_dir is not None, "spill_dir": spill_dir, "spill_busy": self.spill_busy}
         if self.resolve:
             try:
                 out["compile_pool"] = self.pool.status()

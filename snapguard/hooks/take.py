@@ -11,11 +11,14 @@ anything is frozen. A container's filesystem is
 not trusted: every directory on the way must be a real directory and the socket a socket, so a
 symlink cannot send the executor (root) to a socket of the host.
 
-Asked with `spill` (a trainer in the executor's own mount namespace, whose status offers it), a
-trainer moves its tensors' bytes into a file of its own on a tmpfs instead of its memory and hands
-the file's descriptor over with the take's answer (SCM_RIGHTS), holding no reference to it while
-it is dumped: the executor writes that file into the image itself (`Spill`), and passes it back
-with the release, to reload from. A restore passes the image's copy instead.
+Asked with `spill` (a trainer whose status offers it, with a spill directory the executor reaches:
+`spill_dirs`), a trainer moves its tensors' bytes into a file of its own on a tmpfs instead of its
+memory and hands the file's descriptor over with the take's answer (SCM_RIGHTS), holding no
+reference to it while it is dumped: the executor writes that file into the image itself (`Spill`),
+and passes it back with the release, to reload from. A restore passes the image's copy instead.
+A container's trainer spills only into a directory that is a bind mount of the host's (runc gives
+CRIU every bind mount as an external one, so its files are not dumped); its own /dev/shm is
+dumped with the container, spill and all.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from typing import Any
 from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "stray_under",
-           "tmpfs_dir", "trainers"]
+__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "spill_dirs",
+           "stray_under", "tmpfs_dir", "trainers"]
 
 
 def socket_for(pid: int, proc: str | None = None) -> str | None:
@@ -122,11 +125,14 @@ class Spill:
         self.pid, self.fd, self.path, self.size = pid, fd, path, size
 
     @classmethod
-    def received(cls, pid: int, figures: dict[str, Any], fds: list[int], asked: bool = True) -> Spill | None:
+    def received(cls, pid: int, figures: dict[str, Any], fds: list[int], asked: bool = True,
+                 where: tuple[str, str] | None = None) -> Spill | None:
         """The spill a take's answer reports, checked against the descriptor that came with it;
-        None when it reports none. Raises ValueError (the descriptors closed) when the two do not
-        agree, or when a spill comes that was not `asked` for: the bytes the trainer moved are then
-        in no file the executor may take."""
+        None when it reports none. `where`: (the trainer's spill directory as it names it, the
+        same directory's path here), from `spill_dirs`; the trainer's own path when None. The
+        spill's path here must name the descriptor's file. Raises ValueError (the descriptors
+        closed) when the two do not agree, or when a spill comes that was not `asked` for: the
+        bytes the trainer moved are then in no file the executor may take."""
         try:
             offload = figures.get("offload") if isinstance(figures, dict) else None
             spill = offload.get("spill") if isinstance(offload, dict) else None
@@ -141,15 +147,22 @@ class Spill:
             named = names.TAKE_SPILL_SOURCE.fullmatch(os.path.basename(path)) if isinstance(path, str) else None
             size, moved, storages = (_count(spill.get("bytes")), _count(offload.get("bytes")),
                                      _count(offload.get("storages")))
+            if isinstance(path, str) and where is not None:
+                there, here = where
+                path = os.path.join(here, os.path.basename(path)) if os.path.dirname(path) == there else None
             if not isinstance(path, str) or not in_tmpfs_dir(path) or \
                     named is None or named.group(1) != str(pid) or \
                     not 0 < moved <= size <= moved + storages * 4096:  # each storage starts on a page
-                raise ValueError(f"the answer's spill {str(spill)[:200]} is not one the take point makes")
+                raise ValueError(f"the answer's spill {str(spill)[:200]} is not one the take point makes"
+                                 + (f" in {where[0]}" if where is not None else ""))
             st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_blocks * 512 < moved:
                 raise ValueError(f"the descriptor is no regular file of {size} bytes holding them")
             if files.fs_type(fds[0]) != files.TMPFS_MAGIC:  # memory: its reads cannot hang (a FUSE file's could)
                 raise ValueError("the descriptor's file is not on a tmpfs")
+            if not remove_spill_name(path, st.st_dev, st.st_ino, st.st_uid, dry_run=True):
+                # what the executor later removes by this name, and journals, must be this file
+                raise ValueError(f"{path} does not name the descriptor's file")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -192,6 +205,32 @@ def in_tmpfs_dir(path: str) -> bool:
     """Whether `path` (absolute and canonical, as a trainer reports its spill) is a name in a
     `tmpfs_dir`: a path a trainer chose, looked up by root only there."""
     return path.startswith("/") and os.path.normpath(path) == path and tmpfs_dir(os.path.dirname(path))
+
+
+def spill_dirs(found: dict[int, dict[str, Any]], containers: bool,
+               proc: str | None = None) -> dict[int, tuple[str, str]]:
+    """{pid: (its spill directory as it names it, that directory's path here)} of the trainers
+    (as `trainers` found them) whose spill the executor may take: their status offers one, in a
+    directory that is a tmpfs here. A trainer in this mount namespace names its directory as the
+    executor does. One in another (`containers`: a runc container's, whose bind mounts runc makes
+    external to CRIU) spills only into a directory that is itself the mount point of a bind of a
+    host directory (`procfs.mount_here`); a trainer in another mount namespace of a bare snapshot
+    does not spill (CRIU would dump what its mounts hold)."""
+    out: dict[int, tuple[str, str]] = {}
+    for pid, st in found.items():
+        there = st.get("spill_dir")
+        if st.get("spill") is not True or not isinstance(there, str) or not there.startswith("/") or \
+                os.path.normpath(there) != there:
+            continue
+        if not procfs.own_mntns(pid, proc):
+            here: str | None = there
+        elif containers:
+            here = procfs.mount_here(pid, there, proc)
+        else:
+            continue
+        if here is not None and tmpfs_dir(here):
+            out[pid] = (there, here)
+    return out
 
 
 def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run: bool = False) -> bool:
@@ -246,7 +285,7 @@ def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, An
     return {pid: st for pid, st in found.items() if pid not in pools}
 
 
-def _take(path: str, pid: int, request: str, wait_s: float, spill: bool,
+def _take(path: str, pid: int, request: str, wait_s: float, spill: tuple[str, str] | None,
           spills: dict[int, Spill]) -> dict[str, Any]:
     """One take's answer; its spill, when it made one, into `spills`. An answer whose spill does
     not come with its file, or that is not the answer of a take point, is a take refused
@@ -258,7 +297,8 @@ def _take(path: str, pid: int, request: str, wait_s: float, spill: bool,
         return {"ok": False, "error": str(e)}
     try:
         # named by the pid the trainer sees: its own pid namespace's
-        got = Spill.received(procfs.nspid(pid), reply, fds, asked=spill) if reply.get("ok") is True else None
+        got = Spill.received(procfs.nspid(pid), reply, fds, asked=spill is not None,
+                             where=spill) if reply.get("ok") is True else None
         if got is None:
             for fd in fds:
                 os.close(fd)
@@ -278,7 +318,7 @@ def _ask_quietly(path: str, line: str, timeout: float) -> None:
         pass  # gone, or it goes on by itself after its hold limit
 
 
-def _hold_one(path: str, pid: int, wait_s: float, spill: bool,
+def _hold_one(path: str, pid: int, wait_s: float, spill: tuple[str, str] | None,
               spills: dict[int, Spill]) -> tuple[dict[str, Any] | None, Finding | None]:
     reply = _take(path, pid, "take", wait_s, spill, spills)
     if reply.get("refused"):
@@ -319,7 +359,7 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: set[int],
+def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: dict[int, tuple[str, str]],
                    spills: dict[int, Spill]) -> dict[int, dict[str, Any]]:
     """Every rank to the end of one common step: two past the furthest rank's, so a rank that
     finishes a step while the request is on its way still stops there, and none is left inside
@@ -329,7 +369,7 @@ def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: set[i
 
     def ask(pid: int) -> None:
         try:
-            replies[pid] = _take(found[pid]["socket"], pid, f"take-at {target}", wait_s, pid in spill, spills)
+            replies[pid] = _take(found[pid]["socket"], pid, f"take-at {target}", wait_s, spill.get(pid), spills)
         except Exception as e:  # whatever it was, this rank is not held
             replies[pid] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -378,17 +418,18 @@ def _refuse_stray(stray: list[dict[str, Any]], held: dict[int, dict[str, Any]],
 
 
 def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-         spill: bool = False) -> tuple[dict[int, dict[str, Any]], list[Finding], float, dict[int, Spill]]:
+         spill: dict[int, tuple[str, str]] | None = None) -> tuple[dict[int, dict[str, Any]], list[Finding], float,
+                                                                  dict[int, Spill]]:
     """Hold the trainers (as `trainers` found them): one alone, several at one common step.
     Several CUDA processes must all be held together, or the snapshot is refused before anything
     is frozen. Then the processes below them must hold no GPU handle outside a CUDA context
     (the hold shut torch.compile's pool down), or the trainers are released and the snapshot is
-    refused (STRAY_GPU_DEVICE_HANDLE). `spill`: the trainers whose status offers it move their
-    bytes into files handed over here. Returns (figures of those held, warnings, seconds spent,
+    refused (STRAY_GPU_DEVICE_HANDLE). `spill` (`spill_dirs`'s): those trainers move their bytes
+    into files handed over here. Returns (figures of those held, warnings, seconds spent,
     {pid: Spill}); the caller closes the spills (after `release_all` with them)."""
     t0 = time.monotonic()
     spills: dict[int, Spill] = {}
-    spilling = {pid for pid, st in found.items() if spill and st.get("spill") is True}
+    spilling = {pid: where for pid, where in (spill or {}).items() if pid in found}
     try:
         held, warnings = _hold(found, cuda_pids, wait_s, spilling, spills)
     except BaseException:
@@ -398,8 +439,9 @@ def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
     return held, warnings, time.monotonic() - t0, spills
 
 
-def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float, spilling: set[int],
-          spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]], list[Finding]]:
+def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
+          spilling: dict[int, tuple[str, str]], spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]],
+                                                                                   list[Finding]]:
     unhooked = sorted(set(cuda_pids) - set(found))
     if len(cuda_pids) > 1 and unhooked:
         raise SnapguardError(Reason.COORDINATION_FAILED,
@@ -411,7 +453,7 @@ def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
     else:
         held, warnings = {}, []
         for pid, st in found.items():
-            figures, warning = _hold_one(st["socket"], pid, wait_s, pid in spilling, spills)
+            figures, warning = _hold_one(st["socket"], pid, wait_s, spilling.get(pid), spills)
             if figures:
                 held[pid] = figures
             if warning:

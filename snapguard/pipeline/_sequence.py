@@ -150,8 +150,9 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         preflight.host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=needs_iptables, ahead=ahead)
         inv.attach_gpu(report.facts.get("gpu"))
         found = take.trainers(tree)
-        # the moved bytes leave the process (take.Spill) only where the executor shares its files
-        spill = runner.uses_host_pids and not any(procfs.own_mntns(p) for p in found)
+        # the moved bytes leave the process (take.Spill) only through a directory the executor
+        # reaches and CRIU does not dump: the host's own, or a container's bind of a host directory
+        spill = take.spill_dirs(found, containers=not runner.uses_host_pids)
         preflight.workload_checks(report, inv, req.tcp_established, trainers=found)
         report.raise_blockers()
         cuda_pids = [p.pid for p in inv.cuda_processes()]
@@ -164,7 +165,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
-            journal = _sweep_spills(config, steps, report.warnings) if spill and found else None
+            journal = _sweep_spills(config, steps, report.warnings) if spill else None
             figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
             try:
                 copies = _spill.SpillCopies(req.image_dir, spills, figures, journal)
@@ -496,14 +497,32 @@ def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str
     return journal
 
 
-def _release_restored(runner: Runner, req: Request, pid: int, wanted: dict[int, tuple[str, int]], steps: _Steps,
-                      report: preflight.Report) -> None:
+def _by_restored_pid(wanted: dict[int, tuple[str, int]], manifest: dict[str, Any],
+                     restored: dict[int, dict[str, Any]]) -> dict[int, tuple[str, int]]:
+    """`wanted` (keyed by the host pids the trainers had when dumped) keyed by the restored
+    trainers' host pids, matched by the pid each trainer sees (its take figures' `pid`); a
+    trainer not found keeps its old key (so `missing` names it)."""
+    points = manifest.get("take_point") or {}
+    by_seen = {procfs.nspid(p): p for p in restored}
+    out = {}
+    for key, spill in wanted.items():
+        seen = (points.get(str(key)) or {}).get("pid")
+        now = by_seen.get(seen) if isinstance(seen, int) and not isinstance(seen, bool) else None
+        out[key if now is None else now] = spill
+    return out
+
+
+def _release_restored(runner: Runner, req: Request, pid: int, manifest: dict[str, Any],
+                      wanted: dict[int, tuple[str, int]], steps: _Steps, report: preflight.Report) -> None:
     """Release the restored trainers. One whose spill cannot be passed to it (it does not answer,
     or the file is not as listed) would wake without its optimizer's bytes: the restored tree is
     ended instead, the image left whole for another restore."""
     restored = take.trainers(procfs.process_tree(pid))
     try:
         with steps.step("release", Reason.CRIU_RESTORE_FAILED, image=req.image_dir):
+            if not runner.uses_host_pids:
+                # a container's host pids are new; the pids its trainers see are CRIU's to restore
+                wanted = _by_restored_pid(wanted, manifest, restored)
             missing = sorted(set(wanted) - set(restored))
             if missing:
                 raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored trainer(s) {missing} do not answer at "
@@ -652,7 +671,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
         if manifest.get("take_point"):
             # the workload was held at its take point when dumped: let it go on, each trainer whose
             # bytes the image holds apart (its spill) with that file to reload from
-            _release_restored(runner, req, pid, wanted, steps, report)
+            _release_restored(runner, req, pid, manifest, wanted, steps, report)
     return _record({
         "operation": "restore", **runner.identity(), "pid": pid, "image": req.image_dir, "cuda_states": states,
         "device_map": device_map, "image_epoch": manifest["epoch"],

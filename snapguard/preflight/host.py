@@ -165,7 +165,8 @@ def check_runtime_versions(runc_path: str, state_dir: str | None, facts: dict[st
 
 def spill_tmpfs() -> dict[str, object]:
     """Where a bare trainer's take point spills on this node by default (names.SPILL_TMPFS where a
-    tmpfs that every user may write is mounted there, else /dev/shm) and whether that tmpfs gives
+    tmpfs that every user may write is mounted there, else /dev/shm; a container's, where its spec
+    binds SPILL_TMPFS at the same path) and whether that tmpfs gives
     huge pages (mounted huge=within_size, advise or always; or, for /dev/shm, the node's
     shmem_enabled at force): with 4 KiB pages its fill runs at about a third of the rate
     (bench/spill_fill.py). A fact for the node report, not a finding: a trainer's own

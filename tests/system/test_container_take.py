@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from snapguard import image
 from snapguard.hooks import site_dir
+from snapguard.names import SPILL_TMPFS
 from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
@@ -23,11 +27,18 @@ STEPS = 80  # long enough that the job cannot finish while it is snapshotted
 HOST_DIRS = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, str(REPO), str(DDP_LAUNCH.parent)]
 
 
-def make_bundle(tmp_path: Path, out: Path) -> Path:
+def make_bundle(tmp_path: Path, out: Path, spill: Path | None = None) -> Path:
+    """The job's bundle; with `spill`, that host directory (on a tmpfs) bound at the node's spill
+    directory and the optimizer's CPU tensors moved at the hold (SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu:
+    the GPU path's copy, file and reload, on a CPU job)."""
     args = [sys.executable, str(DDP_LAUNCH), "--world", "1", "--out", "/out", "--steps", str(STEPS)]
     env = ["PATH=/usr/bin:/bin", "HOME=/root", "PYTHONWARNINGS=ignore", f"PYTHONPATH={site_dir()}:{REPO}",
            "SNAPGUARD_TAKE_DIR=/run/snapguard/take"]
-    return host_bundle(tmp_path / "bundle", args, env, HOST_DIRS, writable={"/out": str(out)})
+    writable = {"/out": str(out)}
+    if spill is not None:
+        env.append("SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu")
+        writable[SPILL_TMPFS] = str(spill)
+    return host_bundle(tmp_path / "bundle", args, env, HOST_DIRS, writable=writable)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +77,54 @@ def test_executor_holds_container_at_take_point(leave_running: bool, tmp_path: P
                                 stdin=subprocess.DEVNULL)
             assert rs.returncode == 0, rs.stderr
         assert job.mismatches(reference) == []
+    finally:
+        subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+        release_mounts(bundle)
+
+
+@pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])
+def test_container_spills_through_a_bind_of_a_host_tmpfs(leave_running: bool, tmp_path: Path, snapguard_runc: str,
+                                                         reference: DdpJob, request: pytest.FixtureRequest) -> None:
+    """A container whose spec binds a host tmpfs directory at the node's spill directory: its
+    trainer's moved bytes go into a file there, which the executor reaches through the host's
+    path (the bind's source, from mountinfo), copies into the image and hands back at the
+    release; CRIU, through runc, treats the bind as external and never dumps it. The job goes on
+    bit for bit, after a leave-running snapshot and after a stop snapshot restored into a new
+    container (new host pids: the spill is matched by the pid the trainer sees), and no spill is
+    left in the host directory."""
+    spill = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/dev/shm"))  # the host's tmpfs
+    request.addfinalizer(lambda: shutil.rmtree(spill, ignore_errors=True))
+    out = tmp_path / "out"
+    out.mkdir()
+    job = DdpJob(out, 1, STEPS)
+    bundle = make_bundle(tmp_path, out, spill)
+    root, cid = tmp_path / "runc", f"spill-{os.getpid()}-{int(leave_running)}"
+    executor = [snapguard_runc, "--root", str(root)]
+    env = {**os.environ, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+    assert subprocess.run([*executor, "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, env=env).returncode == 0
+    try:
+        job.wait_step(5)
+        img, work = tmp_path / "image", tmp_path / "work"
+        flags = ["--leave-running"] if leave_running else []
+        ck = subprocess.run([*executor, "checkpoint", "--image-path", str(img), "--work-path", str(work),
+                             "--tcp-established", *flags, cid], capture_output=True, text=True, timeout=120, env=env)
+        assert ck.returncode == 0, ck.stderr
+        ((key, figures),) = image.verify(str(img))["take_point"].items()
+        offload = figures["offload"]
+        assert offload["state"] == "moved" and "spill" in offload, offload
+        held = img / offload["spill"]["file"]
+        assert held.name == f"snapguard-take-{key}.bin" and held.stat().st_size == offload["spill"]["bytes"]
+        assert offload["spill"]["path"].startswith(SPILL_TMPFS + "/"), offload  # the trainer's own name for it
+        if not leave_running:
+            assert not list(spill.iterdir()), "the stopped trainer's spill was left in the host's directory"
+            rs = subprocess.run([*executor, "restore", "--image-path", str(img), "--work-path",
+                                 str(tmp_path / "restore-work"), "--bundle", str(bundle), "--detach",
+                                 "--tcp-established", cid], capture_output=True, text=True, timeout=120, env=env,
+                                stdin=subprocess.DEVNULL)
+            assert rs.returncode == 0, rs.stderr
+        assert job.mismatches(reference) == []
+        assert not list(spill.iterdir()), "the reloaded trainer's spill was left in the host's directory"
     finally:
         subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
         release_mounts(bundle)

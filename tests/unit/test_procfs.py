@@ -123,7 +123,7 @@ def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_pat
         "garbage line")
     with procfs.using_procfs(str(root)):
         got = procfs.mount_of("/run/a/f")
-        assert got == {"mount_point": "/run/a", "fstype": "tmpfs",
+        assert got == {"id": "4", "dev": "0:7", "root": "/", "mount_point": "/run/a", "fstype": "tmpfs",
                        "options": {"rw": "", "size": "8k", "huge": "within_size"}}
         assert procfs.mount_of("/run/ab")["mount_point"] == "/run"  # type: ignore[index]
         assert procfs.mount_of("/run/with space/x")["mount_point"] == "/run/with space"  # type: ignore[index]
@@ -135,3 +135,39 @@ def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_pat
     assert procfs.mount_of("/", proc=str(tmp_path / "nothing")) is None
     real = procfs.mount_of("/proc/self")
     assert real is not None and real["fstype"] == "proc"
+
+
+def test_mount_here_finds_a_containers_bind_mount_where_this_namespace_reaches_it(tmp_path: Path) -> None:
+    """A directory a container has mounted (pid 42's mountinfo) is reached here where the same
+    filesystem (device and type) is mounted at a root holding the mount's root: a bind of a host
+    tmpfs's subdirectory maps under the host's mount of that tmpfs (the mount whose root is
+    nearest wins); the container's own tmpfs (a device mounted nowhere here), a mount point the
+    container does not have, a filesystem here only under something mounted over it, and another
+    type on the same device number map to nothing. And the real one: this process's own /."""
+    root = with_mountinfo(
+        tmp_path,
+        "1 0 8:1 / / rw - ext4 /dev/vda rw",
+        "2 1 0:30 / /run/snapguard-spill rw - tmpfs spill rw,huge=within_size",
+        "3 1 0:30 /pods /srv/pods rw - tmpfs spill rw,huge=within_size",
+        "4 1 0:31 / /dev/shm rw - tmpfs shm rw",
+        "5 1 0:33 / /hidden rw - tmpfs h rw",
+        "6 1 0:34 / /hidden rw - tmpfs over rw",  # stacked over 5
+        "7 1 0:35 / /var/lib/x rw - ext4 /dev/vdb rw")
+    (root / "42").mkdir()
+    (root / "42" / "mountinfo").write_text("\n".join([
+        "100 99 8:2 / / rw - overlay overlay rw",
+        "101 100 0:30 /pods/p1 /run/snapguard-spill rw - tmpfs spill rw,huge=within_size",
+        "102 100 0:40 / /dev/shm rw - tmpfs shm rw,size=65536k",  # its own
+        "103 100 0:31 /with\\040space /data rw - tmpfs shm rw",
+        "104 100 0:33 / /h rw - tmpfs h rw",
+        "105 100 0:35 / /t rw - tmpfs t rw",  # the device number of an ext4 here, another type
+    ]) + "\n")
+    proc = str(root)
+    assert procfs.mount_here(42, "/run/snapguard-spill", proc) == "/srv/pods/p1"  # nearer than /run/snapguard-spill/pods/p1
+    assert procfs.mount_here(42, "/data", proc) == "/dev/shm/with space"
+    assert procfs.mount_here(42, "/dev/shm", proc) is None
+    assert procfs.mount_here(42, "/run", proc) is None
+    assert procfs.mount_here(42, "/h", proc) is None
+    assert procfs.mount_here(42, "/t", proc) is None
+    assert procfs.mount_here(43, "/run/snapguard-spill", proc) is None  # gone
+    assert procfs.mount_here(os.getpid(), "/") == "/"

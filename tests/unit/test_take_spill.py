@@ -252,6 +252,22 @@ def test_an_answer_whose_file_does_not_match_it_is_refused_and_its_descriptors_c
     os.close(w)
     with pytest.raises(ValueError):
         take.Spill.received(7, answer(), [r])
+    # the name the answer gives is another file than the descriptor's (same size, same place):
+    # what the executor would journal and remove by that name is not the spill
+    other = _fd_of(shm, f"{name}-handed", 8192)
+    with pytest.raises(ValueError, match="does not name the descriptor's file"):
+        take.Spill.received(7, answer(), [other])
+    (shm / f"{name}-handed").unlink()
+    # a container's answer: its directory as it names it, mapped to the directory here; a spill
+    # anywhere else in the container is refused
+    moved_in = _fd_of(shm, name, 8192)
+    spill = take.Spill.received(7, answer(path=f"/run/snapguard-spill/{name}"), [moved_in],
+                                where=("/run/snapguard-spill", str(shm)))
+    assert spill is not None and spill.path == str(shm / name)
+    spill.close()
+    with pytest.raises(ValueError, match="in /run/snapguard-spill"):
+        take.Spill.received(7, answer(path=f"/dev/shm/{name}"), [_fd_of(shm, name, 8192)],
+                            where=("/run/snapguard-spill", str(shm)))
     (shm / name).unlink()
     sparse = os.open(shm / name, os.O_RDWR | os.O_CREAT)
     os.ftruncate(sparse, 8192)  # the size, but no bytes in it
@@ -866,3 +882,41 @@ def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path
             assert victim.exists()
     finally:
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_spill_dirs_are_the_hosts_own_or_a_containers_bind_of_a_host_tmpfs(tmp_path: Path) -> None:
+    """Which trainers the executor asks to spill, and where their files are from here: a trainer
+    in the executor's mount namespace spills where it says; a container's only into a directory
+    that is the mount point of a bind of a host tmpfs (runc makes it external to CRIU), named here
+    under the host's mount of that tmpfs. A container's own /dev/shm (CRIU dumps it), a trainer
+    that offers no spill or names its directory unnormalised, and, for a bare snapshot, any trainer
+    in another mount namespace get none."""
+    from snapguard import procfs
+
+    root = with_mountinfo(
+        tmp_path,
+        "1 0 8:1 / / rw - ext4 /dev/vda rw",
+        "2 1 0:31 / /dev/shm rw - tmpfs shm rw",
+        "3 1 0:30 / /run/snapguard-spill rw - tmpfs spill rw,huge=within_size")
+    (root / "self" / "ns").mkdir()
+    (root / "self" / "ns" / "mnt").symlink_to("mnt:[1]")
+    for pid, ns in ((10, 1), (20, 2), (21, 3), (22, 1), (23, 1)):
+        (root / str(pid) / "ns").mkdir(parents=True)
+        (root / str(pid) / "ns" / "mnt").symlink_to(f"mnt:[{ns}]")
+    (root / "20" / "mountinfo").write_text("100 99 8:2 / / rw - overlay overlay rw\n"
+                                           "101 100 0:30 /pods/a /run/snapguard-spill rw - tmpfs spill rw\n"
+                                           "102 100 0:40 / /dev/shm rw - tmpfs shm rw\n")
+    (root / "21" / "mountinfo").write_text("100 99 8:2 / / rw - overlay overlay rw\n"
+                                           "102 100 0:41 / /dev/shm rw - tmpfs shm rw\n")
+    found = {10: {"spill": True, "spill_dir": "/dev/shm"},
+             20: {"spill": True, "spill_dir": "/run/snapguard-spill"},
+             21: {"spill": True, "spill_dir": "/dev/shm"},
+             22: {"spill": False, "spill_dir": "/dev/shm"},
+             23: {"spill": True, "spill_dir": "/dev/shm/"}}
+    with procfs.using_procfs(str(root)):
+        assert take.spill_dirs(found, containers=True) == {
+            10: ("/dev/shm", "/dev/shm"), 20: ("/run/snapguard-spill", "/run/snapguard-spill/pods/a")}
+        assert take.spill_dirs(found, containers=False) == {10: ("/dev/shm", "/dev/shm")}
+        # the container's directory mapped to the host's, but that is no tmpfs here: none
+        (root / "20" / "mountinfo").write_text("101 100 8:1 /srv /run/snapguard-spill rw - ext4 /dev/vda rw\n")
+        assert 20 not in take.spill_dirs(found, containers=True)
