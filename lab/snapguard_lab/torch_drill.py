@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from snapguard.config import Config
+from snapguard.files import spill_tmpfs_usable
 from snapguard.hooks import site_dir
+from snapguard.names import SPILL_TMPFS
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import SnapguardError
 
@@ -323,8 +327,14 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     # the trainer's own directory too: the lab may be installed apart from snapguard
     host_dirs = ["/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.base_prefix, sys.prefix, repo,
                  str(TRAIN.parent)]
-    bundle = host_bundle(base / "bundle", args, env, host_dirs, writable={"/out": str(out)}, devices=devices,
-                         runc=config.runc)
+    # the node's spill tmpfs bound in (a directory of its own in it, or in /dev/shm where the node
+    # mounts none), as a pod would by a hostPath: the take point's moved bytes go there, not into
+    # the container's own /dev/shm, which CRIU dumps with the container
+    node_spill = SPILL_TMPFS if spill_tmpfs_usable(SPILL_TMPFS, anyone=True) else "/dev/shm"
+    spill_host = Path(tempfile.mkdtemp(prefix="drill-", dir=node_spill))
+    spill_host.chmod(0o1777)  # the trainer may run as any user
+    bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,
+                         writable={"/out": str(out), SPILL_TMPFS: str(spill_host)})
     root, cid = str(base / "runc-root"), "snapguard-torch-drill"
     sg = [executor, "--root", root]
 
@@ -363,7 +373,12 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     finally:
         subprocess.run([config.runc, "--root", root, "delete", "--force", cid], capture_output=True, check=False)
         release_mounts(bundle)
+        left = sorted(p.name for p in spill_host.iterdir()) if spill_host.is_dir() else []
+        shutil.rmtree(spill_host, ignore_errors=True)
+    spills = [((f or {}).get("offload") or {}).get("spill") for f in (ck.get("take_point") or {}).values()]
     row = {"arm": "container-stop-trimmed", "snapshot_at_step": at, "image_bytes": ck["image_bytes"],
+           "spill_bytes": sum(int(x.get("bytes") or 0) for x in spills if isinstance(x, dict)),
+           "spills_left": left,
            "request_to_complete_image_s": t_image - t_request, "dump_marks": ck.get("criu_marks"),
            "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]],
            **_image_figures(str(base / "container.img")),
