@@ -46,40 +46,63 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
     return DdpJob(tmp_path_factory.mktemp("reference"), 1, STEPS).run_uninterrupted()
 
 
+class _Container:
+    """The job's container run through snapguard-runc (its own runc root and state directory),
+    checkpointed and restored through it; deleted, its mounts released, on exit."""
+
+    def __init__(self, tmp_path: Path, snapguard_runc: str, bundle: Path, cid: str) -> None:
+        self.tmp_path, self.bundle, self.cid = tmp_path, bundle, cid
+        self.root = tmp_path / "runc"
+        self.executor = [snapguard_runc, "--root", str(self.root)]
+        self.env = {**os.environ, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+
+    def __enter__(self) -> _Container:
+        # stdio /dev/null, as containerd's null IO: a host file as stdio is outside the container's
+        # mounts and CRIU cannot dump it (the ranks log to /out)
+        run = subprocess.run([*self.executor, "run", "--detach", "--bundle", str(self.bundle), self.cid],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=60, env=self.env)
+        if run.returncode != 0:
+            self.__exit__()
+        assert run.returncode == 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["/usr/sbin/runc", "--root", str(self.root), "delete", "--force", self.cid], capture_output=True)
+        release_mounts(self.bundle)
+
+    def checkpoint(self, img: Path, work: Path, leave_running: bool) -> None:
+        flags = ["--leave-running"] if leave_running else []
+        ck = subprocess.run([*self.executor, "checkpoint", "--image-path", str(img), "--work-path", str(work),
+                             "--tcp-established", *flags, self.cid], capture_output=True, text=True, timeout=120,
+                            env=self.env)
+        assert ck.returncode == 0, ck.stderr
+
+    def restore(self, img: Path) -> None:
+        rs = subprocess.run([*self.executor, "restore", "--image-path", str(img), "--work-path",
+                             str(self.tmp_path / "restore-work"), "--bundle", str(self.bundle), "--detach",
+                             "--tcp-established", self.cid], capture_output=True, text=True, timeout=120,
+                            env=self.env, stdin=subprocess.DEVNULL)
+        assert rs.returncode == 0, rs.stderr
+
+
 @pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])
 def test_executor_holds_container_at_take_point(leave_running: bool, tmp_path: Path, snapguard_runc: str,
                                                 reference: DdpJob) -> None:
     out = tmp_path / "out"
     out.mkdir()
     job = DdpJob(out, 1, STEPS)
-    bundle = make_bundle(tmp_path, out)
-    root, cid = tmp_path / "runc", f"take-{os.getpid()}-{int(leave_running)}"
-    executor = [snapguard_runc, "--root", str(root)]
-    env = {**os.environ, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
-    # stdio /dev/null, as containerd's null IO: a host file as stdio is outside the container's
-    # mounts and CRIU cannot dump it (the ranks log to /out)
-    assert subprocess.run([*executor, "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, env=env).returncode == 0
-    try:
+    with _Container(tmp_path, snapguard_runc, make_bundle(tmp_path, out),
+                    f"take-{os.getpid()}-{int(leave_running)}") as box:
         job.wait_step(5)
-        image, work = tmp_path / "image", tmp_path / "work"
-        flags = ["--leave-running"] if leave_running else []
-        ck = subprocess.run([*executor, "checkpoint", "--image-path", str(image), "--work-path", str(work),
-                             "--tcp-established", *flags, cid], capture_output=True, text=True, timeout=120, env=env)
-        assert ck.returncode == 0, ck.stderr
+        img, work = tmp_path / "image", tmp_path / "work"
+        box.checkpoint(img, work, leave_running)
         result = json.loads((work / "snapguard-result.json").read_text())
         (figures,) = result["take_point"].values()
         assert figures["ok"] and figures["step"] >= 6 and figures["pid"] != int(next(iter(result["take_point"])))
         if not leave_running:
-            rs = subprocess.run([*executor, "restore", "--image-path", str(image), "--work-path",
-                                 str(tmp_path / "restore-work"), "--bundle", str(bundle), "--detach",
-                                 "--tcp-established", cid], capture_output=True, text=True, timeout=120, env=env,
-                                stdin=subprocess.DEVNULL)
-            assert rs.returncode == 0, rs.stderr
+            box.restore(img)
         assert job.mismatches(reference) == []
-    finally:
-        subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
-        release_mounts(bundle)
 
 
 @pytest.mark.parametrize("leave_running", [True, False], ids=["leave-running", "stop-restore"])
@@ -97,19 +120,11 @@ def test_container_spills_through_a_bind_of_a_host_tmpfs(leave_running: bool, tm
     out = tmp_path / "out"
     out.mkdir()
     job = DdpJob(out, 1, STEPS)
-    bundle = make_bundle(tmp_path, out, spill)
-    root, cid = tmp_path / "runc", f"spill-{os.getpid()}-{int(leave_running)}"
-    executor = [snapguard_runc, "--root", str(root)]
-    env = {**os.environ, "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
-    assert subprocess.run([*executor, "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, env=env).returncode == 0
-    try:
+    with _Container(tmp_path, snapguard_runc, make_bundle(tmp_path, out, spill),
+                    f"spill-{os.getpid()}-{int(leave_running)}") as box:
         job.wait_step(5)
-        img, work = tmp_path / "image", tmp_path / "work"
-        flags = ["--leave-running"] if leave_running else []
-        ck = subprocess.run([*executor, "checkpoint", "--image-path", str(img), "--work-path", str(work),
-                             "--tcp-established", *flags, cid], capture_output=True, text=True, timeout=120, env=env)
-        assert ck.returncode == 0, ck.stderr
+        img = tmp_path / "image"
+        box.checkpoint(img, tmp_path / "work", leave_running)
         ((key, figures),) = image.verify(str(img))["take_point"].items()
         offload = figures["offload"]
         assert offload["state"] == "moved" and "spill" in offload, offload
@@ -118,13 +133,6 @@ def test_container_spills_through_a_bind_of_a_host_tmpfs(leave_running: bool, tm
         assert offload["spill"]["path"].startswith(SPILL_TMPFS + "/"), offload  # the trainer's own name for it
         if not leave_running:
             assert not list(spill.iterdir()), "the stopped trainer's spill was left in the host's directory"
-            rs = subprocess.run([*executor, "restore", "--image-path", str(img), "--work-path",
-                                 str(tmp_path / "restore-work"), "--bundle", str(bundle), "--detach",
-                                 "--tcp-established", cid], capture_output=True, text=True, timeout=120, env=env,
-                                stdin=subprocess.DEVNULL)
-            assert rs.returncode == 0, rs.stderr
+            box.restore(img)
         assert job.mismatches(reference) == []
         assert not list(spill.iterdir()), "the reloaded trainer's spill was left in the host's directory"
-    finally:
-        subprocess.run(["/usr/sbin/runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
-        release_mounts(bundle)
