@@ -167,13 +167,13 @@ def _chain(mounts: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
     return [on[point] for point in sorted(on, key=len)]
 
 
-def mounts_on_path(path: str, proc: str | None = None) -> list[dict[str, Any]] | None:
+def mounts_on_path(path: str, proc: str | None = None, pid: int | None = None) -> list[dict[str, Any]] | None:
     """The mounts a lookup of `path` (absolute, canonical, no component a link) goes through, as
-    this process sees them (its /proc/self/mountinfo), from / to the one `path` is on: for each
-    mount point on the way, the last mount there. Each is as `_mounts` gives it ({"mount_point",
-    "fstype", "options", ...}). None when mountinfo cannot be read. Read from mountinfo only: no
-    filesystem on the way is touched."""
-    text = _vanishing(lambda: _read(f"{_root(proc)}/self/mountinfo"), None)
+    this process sees them (its /proc/self/mountinfo; `pid`'s, in its mount namespace), from / to
+    the one `path` is on: for each mount point on the way, the last mount there. Each is as
+    `_mounts` gives it ({"mount_point", "fstype", "options", ...}). None when mountinfo cannot be
+    read. Read from mountinfo only: no filesystem on the way is touched."""
+    text = _vanishing(lambda: _read(f"{_root(proc)}/{'self' if pid is None else pid}/mountinfo"), None)
     return None if text is None else _chain(_mounts(text), path)
 
 
@@ -189,10 +189,13 @@ def mount_here(pid: int, mount_point: str, proc: str | None = None) -> str | Non
     mine = _vanishing(lambda: _read(f"{root}/self/mountinfo"), None)
     if theirs is None or mine is None:
         return None
-    at = [m for m in _mounts(theirs) if m["mount_point"] == mount_point]
-    if not at:
+    on = _chain(_mounts(theirs), mount_point)
+    # the last mount at that point (mountinfo's order cannot tell one mounted later over a
+    # directory above it: the caller compares the directories themselves), of a source that still
+    # exists (the kernel shows a removed one's root as ".../name//deleted")
+    if not on or on[-1]["mount_point"] != mount_point or on[-1]["root"].endswith("//deleted"):
         return None
-    there, here = at[-1], _mounts(mine)
+    there, here = on[-1], _mounts(mine)
     found = None
     for m in here:
         inside = m["root"].rstrip("/") + "/"

@@ -332,9 +332,13 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     # the container's own /dev/shm, which CRIU dumps with the container
     node_spill = SPILL_TMPFS if spill_tmpfs_usable(SPILL_TMPFS, anyone=True) else "/dev/shm"
     spill_host = Path(tempfile.mkdtemp(prefix="drill-", dir=node_spill))
-    spill_host.chmod(0o1777)  # the trainer may run as any user
-    bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,
-                         writable={"/out": str(out), SPILL_TMPFS: str(spill_host)})
+    try:
+        spill_host.chmod(0o1777)  # the trainer may run as any user
+        bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,
+                             writable={"/out": str(out), SPILL_TMPFS: str(spill_host)})
+    except BaseException:
+        shutil.rmtree(spill_host, ignore_errors=True)
+        raise
     root, cid = str(base / "runc-root"), "snapguard-torch-drill"
     sg = [executor, "--root", root]
 
@@ -353,6 +357,8 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
                         timeout=120, check=False).returncode
     if rc != 0:
         tail = runc_log.read_text(errors="replace")[-800:] if runc_log.exists() else ""
+        release_mounts(bundle)
+        shutil.rmtree(spill_host, ignore_errors=True)
         raise RuntimeError(f"snapguard-runc run exited {rc}: {tail.strip()}")
     try:
         run.restored_pid = int(json.loads(call("state", cid).stdout)["pid"])

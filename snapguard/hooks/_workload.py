@@ -1078,7 +1078,8 @@ def _spill_dir() -> str | None:
         return None
     chosen = os.environ.get("SNAPGUARD_TAKE_SPILL_DIR", "").strip()
     if chosen:
-        return chosen
+        # as the executor looks it up: absolute, no link on the way, no trailing slash
+        return os.path.realpath(chosen)
     from ..files import spill_tmpfs_usable
     from ..names import SPILL_TMPFS
 

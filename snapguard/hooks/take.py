@@ -34,7 +34,7 @@ from typing import Any
 from .. import files, names, procfs, wire
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
-__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "remove_spill_name", "socket_for", "spill_dirs",
+__all__ = ["Spill", "hold", "release_all", "in_tmpfs_dir", "open_dir", "remove_spill_name", "socket_for", "spill_dirs",
            "stray_under", "tmpfs_dir", "trainers"]
 
 
@@ -208,29 +208,75 @@ def in_tmpfs_dir(path: str) -> bool:
 
 
 def spill_dirs(found: dict[int, dict[str, Any]], containers: bool,
-               proc: str | None = None) -> dict[int, tuple[str, str]]:
+               proc: str | None = None) -> dict[int, tuple[str, str] | None]:
     """{pid: (its spill directory as it names it, that directory's path here)} of the trainers
     (as `trainers` found them) whose spill the executor may take: their status offers one, in a
-    directory that is a tmpfs here. A trainer in this mount namespace names its directory as the
-    executor does. One in another (`containers`: a runc container's, whose bind mounts runc makes
-    external to CRIU) spills only into a directory that is itself the mount point of a bind of a
-    host directory (`procfs.mount_here`); a trainer in another mount namespace of a bare snapshot
-    does not spill (CRIU would dump what its mounts hold)."""
-    out: dict[int, tuple[str, str]] = {}
+    directory that is a tmpfs here, reached without following a link. A trainer in this mount
+    namespace names its directory as the executor does (None: a hook older than `spill_dir`, whose
+    answer's own path is checked instead). One in another (`containers`: a runc container's)
+    spills only into a directory that is itself the mount point of a bind of a host directory
+    (`procfs.mount_here`; runc hands CRIU the spec's binds as external mounts, so the files in it
+    are not dumped), and only where the directory the trainer sees (looked up through its root,
+    without following a link, past no mount whose lookups may hang) is the very one found here. A
+    trainer in another mount namespace of a bare snapshot does not spill (CRIU would dump what its
+    mounts hold)."""
+    out: dict[int, tuple[str, str] | None] = {}
     for pid, st in found.items():
         there = st.get("spill_dir")
-        if st.get("spill") is not True or not isinstance(there, str) or not there.startswith("/") or \
-                os.path.normpath(there) != there:
+        if st.get("spill") is not True:
             continue
-        if not procfs.own_mntns(pid, proc):
+        own = not procfs.own_mntns(pid, proc)
+        if there is None and own:
+            out[pid] = None
+            continue
+        if not isinstance(there, str) or not there.startswith("/") or os.path.normpath(there) != there:
+            continue
+        if own:
             here: str | None = there
         elif containers:
             here = procfs.mount_here(pid, there, proc)
+            chain = procfs.mounts_on_path(there, proc, pid=pid)
+            if here is None or not chain or any(str(m["fstype"]).startswith(_MAY_HANG) for m in chain):
+                continue
+            seen = _dir_id(there, f"{proc or procfs.procfs_path()}/{pid}/root")
+            if seen is None or seen != _dir_id(here):
+                continue  # not the directory it sees: something over it, or a source gone
         else:
             continue
-        if here is not None and tmpfs_dir(here):
+        if here is not None and tmpfs_dir(here) and _dir_id(here) is not None:
             out[pid] = (there, here)
     return out
+
+
+def open_dir(directory: str, root: str = "/") -> int | None:
+    """An O_PATH descriptor of `directory` (absolute) looked up from `root` one component at a time,
+    following no link on the way (not even one a process swaps in meanwhile); None when that
+    cannot be done. The caller closes it. `root` is itself opened following links: "/" or a
+    process's /proc/PID/root."""
+    try:
+        dir_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        for part in [p for p in directory.split("/") if p]:
+            next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+    except OSError:
+        os.close(dir_fd)
+        return None
+    return dir_fd
+
+
+def _dir_id(directory: str, root: str = "/") -> tuple[int, int] | None:
+    fd = open_dir(directory, root)
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
 
 
 def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run: bool = False) -> bool:
@@ -243,16 +289,10 @@ def remove_spill_name(path: str, dev: int, ino: int, uid: int | None, *, dry_run
     that file, left as it is)."""
     if uid is None or not in_tmpfs_dir(path):
         return False
-    parts = [p for p in os.path.dirname(path).split("/") if p]
-    try:
-        dir_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+    dir_fd = open_dir(os.path.dirname(path))
+    if dir_fd is None:
         return False
     try:
-        for part in parts:
-            next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            os.close(dir_fd)
-            dir_fd = next_fd
         name = os.path.basename(path)
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino) or st.st_uid != uid:
@@ -285,7 +325,7 @@ def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, An
     return {pid: st for pid, st in found.items() if pid not in pools}
 
 
-def _take(path: str, pid: int, request: str, wait_s: float, spill: tuple[str, str] | None,
+def _take(path: str, pid: int, request: str, wait_s: float, spill: bool, where: tuple[str, str] | None,
           spills: dict[int, Spill]) -> dict[str, Any]:
     """One take's answer; its spill, when it made one, into `spills`. An answer whose spill does
     not come with its file, or that is not the answer of a take point, is a take refused
@@ -297,8 +337,8 @@ def _take(path: str, pid: int, request: str, wait_s: float, spill: tuple[str, st
         return {"ok": False, "error": str(e)}
     try:
         # named by the pid the trainer sees: its own pid namespace's
-        got = Spill.received(procfs.nspid(pid), reply, fds, asked=spill is not None,
-                             where=spill) if reply.get("ok") is True else None
+        got = Spill.received(procfs.nspid(pid), reply, fds, asked=spill,
+                             where=where) if reply.get("ok") is True else None
         if got is None:
             for fd in fds:
                 os.close(fd)
@@ -318,9 +358,9 @@ def _ask_quietly(path: str, line: str, timeout: float) -> None:
         pass  # gone, or it goes on by itself after its hold limit
 
 
-def _hold_one(path: str, pid: int, wait_s: float, spill: tuple[str, str] | None,
+def _hold_one(path: str, pid: int, wait_s: float, spill: bool, where: tuple[str, str] | None,
               spills: dict[int, Spill]) -> tuple[dict[str, Any] | None, Finding | None]:
-    reply = _take(path, pid, "take", wait_s, spill, spills)
+    reply = _take(path, pid, "take", wait_s, spill, where, spills)
     if reply.get("refused"):
         raise SnapguardError(Reason.PREFLIGHT_FAILED, f"pid {pid}'s take point: {reply.get('error')}; it was "
                              "released, nothing was frozen", evidence={"pid": pid})
@@ -359,7 +399,7 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: dict[int, tuple[str, str]],
+def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: dict[int, tuple[str, str] | None],
                    spills: dict[int, Spill]) -> dict[int, dict[str, Any]]:
     """Every rank to the end of one common step: two past the furthest rank's, so a rank that
     finishes a step while the request is on its way still stops there, and none is left inside
@@ -369,7 +409,8 @@ def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: dict[
 
     def ask(pid: int) -> None:
         try:
-            replies[pid] = _take(found[pid]["socket"], pid, f"take-at {target}", wait_s, spill.get(pid), spills)
+            replies[pid] = _take(found[pid]["socket"], pid, f"take-at {target}", wait_s, pid in spill, spill.get(pid),
+                                 spills)
         except Exception as e:  # whatever it was, this rank is not held
             replies[pid] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -418,8 +459,8 @@ def _refuse_stray(stray: list[dict[str, Any]], held: dict[int, dict[str, Any]],
 
 
 def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-         spill: dict[int, tuple[str, str]] | None = None) -> tuple[dict[int, dict[str, Any]], list[Finding], float,
-                                                                  dict[int, Spill]]:
+         spill: dict[int, tuple[str, str] | None] | None = None) -> tuple[dict[int, dict[str, Any]], list[Finding],
+                                                                         float, dict[int, Spill]]:
     """Hold the trainers (as `trainers` found them): one alone, several at one common step.
     Several CUDA processes must all be held together, or the snapshot is refused before anything
     is frozen. Then the processes below them must hold no GPU handle outside a CUDA context
@@ -440,8 +481,8 @@ def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
 
 
 def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-          spilling: dict[int, tuple[str, str]], spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]],
-                                                                                   list[Finding]]:
+          spilling: dict[int, tuple[str, str] | None], spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]],
+                                                                                          list[Finding]]:
     unhooked = sorted(set(cuda_pids) - set(found))
     if len(cuda_pids) > 1 and unhooked:
         raise SnapguardError(Reason.COORDINATION_FAILED,
@@ -453,7 +494,7 @@ def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
     else:
         held, warnings = {}, []
         for pid, st in found.items():
-            figures, warning = _hold_one(st["socket"], pid, wait_s, spilling.get(pid), spills)
+            figures, warning = _hold_one(st["socket"], pid, wait_s, pid in spilling, spilling.get(pid), spills)
             if figures:
                 held[pid] = figures
             if warning:

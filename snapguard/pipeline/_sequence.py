@@ -165,7 +165,9 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.image_dir)
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
-            journal = _sweep_spills(config, steps, report.warnings) if spill else None
+            # the node's spill directories, and the host directories containers spill into here
+            mapped = tuple(sorted({where[1] for where in spill.values() if where is not None}))
+            journal = _sweep_spills(config, steps, report.warnings, mapped) if spill else None
             figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
             try:
                 copies = _spill.SpillCopies(req.image_dir, spills, figures, journal)
@@ -474,15 +476,18 @@ def _check_restored(manifest: dict[str, Any], pid: int) -> dict[int, str]:
     return states
 
 
-def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str | None:
+def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding], dirs: tuple[str, ...] = ()) -> str | None:
     """The spill journal's directory in the state directory, swept first: the names of spills
     whose trainers are gone, left by an executor that died before it could remove them
     (`_spill.sweep`), removed now, and those no executor heard of whose trainers are gone
-    (`_spill.sweep_orphans`). A journal that cannot be kept is a warning (spills of
+    (`_spill.sweep_orphans`), in the node's spill directories and `dirs` (the host directories the
+    snapshot's containers spill into). A journal that cannot be kept is a warning (spills of
     trainers that die with their executor may then stay), not a refused snapshot: None."""
     try:
         with steps.timed("spill_sweep"):
-            orphans = _spill.sweep_orphans()  # no journal needed: found by their names
+            # no journal needed: found by their names
+            orphans = _spill.sweep_orphans(_spill.DEFAULT_SPILL_DIRS + tuple(d for d in dirs
+                                                                            if d not in _spill.DEFAULT_SPILL_DIRS))
             journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
             removed = _spill.sweep(journal)
     except (OSError, UntrustedPathError) as e:
@@ -498,17 +503,24 @@ def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding]) -> str
 
 
 def _by_restored_pid(wanted: dict[int, tuple[str, int]], manifest: dict[str, Any],
-                     restored: dict[int, dict[str, Any]]) -> dict[int, tuple[str, int]]:
+                     root_pid: int) -> dict[int, tuple[str, int]]:
     """`wanted` (keyed by the host pids the trainers had when dumped) keyed by the restored
-    trainers' host pids, matched by the pid each trainer sees (its take figures' `pid`); a
-    trainer not found keeps its old key (so `missing` names it)."""
-    points = manifest.get("take_point") or {}
-    by_seen = {procfs.nspid(p): p for p in restored}
-    out = {}
+    trainers' host pids: each found by the pid it has in its own namespace, which the executor
+    recorded at the dump (the manifest's `processes[].nspid`) and CRIU restores. A trainer that
+    cannot be found, or not told apart (two restored processes with that pid, in nested
+    namespaces), is CRIU_RESTORE_FAILED: its spill must not go to another."""
+    recorded = {p["pid"]: p.get("nspid", p["pid"]) for p in manifest.get("processes") or []}
+    now: dict[int, list[int]] = {}
+    for host in procfs.process_tree(root_pid):
+        now.setdefault(procfs.nspid(host), []).append(host)
+    out: dict[int, tuple[str, int]] = {}
     for key, spill in wanted.items():
-        seen = (points.get(str(key)) or {}).get("pid")
-        now = by_seen.get(seen) if isinstance(seen, int) and not isinstance(seen, bool) else None
-        out[key if now is None else now] = spill
+        found = now.get(recorded.get(key, -1), [])
+        if len(found) != 1 or found[0] in out:
+            raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"the restored trainer that was pid {key} (pid "
+                                 f"{recorded.get(key)} in its namespace) cannot be told apart in the restored tree: "
+                                 "its moved bytes cannot be passed back", evidence={"pid": key, "found": found})
+        out[found[0]] = spill
     return out
 
 
@@ -522,7 +534,7 @@ def _release_restored(runner: Runner, req: Request, pid: int, manifest: dict[str
         with steps.step("release", Reason.CRIU_RESTORE_FAILED, image=req.image_dir):
             if not runner.uses_host_pids:
                 # a container's host pids are new; the pids its trainers see are CRIU's to restore
-                wanted = _by_restored_pid(wanted, manifest, restored)
+                wanted = _by_restored_pid(wanted, manifest, pid)
             missing = sorted(set(wanted) - set(restored))
             if missing:
                 raise SnapguardError(Reason.CRIU_RESTORE_FAILED, f"restored trainer(s) {missing} do not answer at "

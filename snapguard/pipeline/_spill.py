@@ -152,10 +152,15 @@ def sweep_orphans(dirs: tuple[str, ...] = DEFAULT_SPILL_DIRS, *, min_age_s: floa
     for directory in dirs:
         if not take.tmpfs_dir(directory):
             continue
+        path_fd = take.open_dir(directory)  # no link followed on the way: a container writes below some
+        if path_fd is None:
+            continue
         try:
-            dir_fd = os.open(directory, _O_DIR)
+            dir_fd = os.open(".", _O_DIR, dir_fd=path_fd)
         except OSError:
             continue
+        finally:
+            os.close(path_fd)
         try:
             entries = [entry.name for entry in os.scandir(dir_fd)]
         except OSError:

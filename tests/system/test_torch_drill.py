@@ -40,9 +40,6 @@ def test_drill_arms_bit_identical_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
         # where the time went, read from CRIU's own logs
         assert {"seized", "dump_pages", "dumped"} <= set(row["dump_marks"])
         assert "fork" in row["restore_marks"]
-    # the container's spill directory (a bind of the node's) is left empty (a CPU trainer moves
-    # nothing here: test_container_take spills on CPU tensors)
-    assert rows["container-stop-trimmed"]["spills_left"] == []
     assert rows["leave-running-trimmed"]["stall_s"] >= 0
     assert rows["file-checkpoint"]["stall_s"] > 0 and rows["file-checkpoint"]["bit_identical"]
     assert "torch drill: PASS" in printed

@@ -721,12 +721,12 @@ def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot
     spills: dict[int, take.Spill] = {}
     try:
         if move_s < 2 * wait_s:  # over within the executor's second wait
-            figures, warning = take._hold_one(path, os.getpid(), wait_s, True, spills)
+            figures, warning = take._hold_one(path, os.getpid(), wait_s, True, None, spills)
             assert figures is None and warning is not None and warning.reason is Reason.TAKE_POINT_TIMEOUT
             assert take._ask(path, "status\n", 5)["spill_busy"] is False  # done: a dump now needs no file
         else:
             with pytest.raises(SnapguardError) as e:
-                take._hold_one(path, os.getpid(), wait_s, True, spills)
+                take._hold_one(path, os.getpid(), wait_s, True, None, spills)
             assert e.value.failure.reason is Reason.PREFLIGHT_FAILED and "nothing was frozen" in str(e.value)
     finally:
         t.join(15)
@@ -884,39 +884,83 @@ def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path
         shutil.rmtree(disk, ignore_errors=True)
 
 
-def test_spill_dirs_are_the_hosts_own_or_a_containers_bind_of_a_host_tmpfs(tmp_path: Path) -> None:
+def test_spill_dirs_are_the_hosts_own_or_a_containers_bind_of_a_host_tmpfs(tmp_path: Path, shm: Path) -> None:
     """Which trainers the executor asks to spill, and where their files are from here: a trainer
-    in the executor's mount namespace spills where it says; a container's only into a directory
-    that is the mount point of a bind of a host tmpfs (runc makes it external to CRIU), named here
-    under the host's mount of that tmpfs. A container's own /dev/shm (CRIU dumps it), a trainer
-    that offers no spill or names its directory unnormalised, and, for a bare snapshot, any trainer
-    in another mount namespace get none."""
+    in the executor's mount namespace spills where it says (a hook older than `spill_dir`: its
+    answer's own path is checked instead); a container's only into a directory that is the mount
+    point of a bind of a host tmpfs (runc makes it external to CRIU), named here under the host's
+    mount of that tmpfs, and only where the directory it sees through its root is that very one.
+    A container's own /dev/shm (CRIU dumps it), a mapping to another directory than the one the
+    container sees, a directory reached through a link, a trainer that offers no spill or names
+    its directory unnormalised, and, for a bare snapshot, any trainer in another mount namespace
+    get none. The processes are a fake procfs's; the directories are real (a tmpfs's)."""
     from snapguard import procfs
 
-    root = with_mountinfo(
-        tmp_path,
-        "1 0 8:1 / / rw - ext4 /dev/vda rw",
-        "2 1 0:31 / /dev/shm rw - tmpfs shm rw",
-        "3 1 0:30 / /run/snapguard-spill rw - tmpfs spill rw,huge=within_size")
-    (root / "self" / "ns").mkdir()
-    (root / "self" / "ns" / "mnt").symlink_to("mnt:[1]")
-    for pid, ns in ((10, 1), (20, 2), (21, 3), (22, 1), (23, 1)):
-        (root / str(pid) / "ns").mkdir(parents=True)
-        (root / str(pid) / "ns" / "mnt").symlink_to(f"mnt:[{ns}]")
-    (root / "20" / "mountinfo").write_text("100 99 8:2 / / rw - overlay overlay rw\n"
-                                           "101 100 0:30 /pods/a /run/snapguard-spill rw - tmpfs spill rw\n"
-                                           "102 100 0:40 / /dev/shm rw - tmpfs shm rw\n")
-    (root / "21" / "mountinfo").write_text("100 99 8:2 / / rw - overlay overlay rw\n"
-                                           "102 100 0:41 / /dev/shm rw - tmpfs shm rw\n")
-    found = {10: {"spill": True, "spill_dir": "/dev/shm"},
-             20: {"spill": True, "spill_dir": "/run/snapguard-spill"},
-             21: {"spill": True, "spill_dir": "/dev/shm"},
-             22: {"spill": False, "spill_dir": "/dev/shm"},
-             23: {"spill": True, "spill_dir": "/dev/shm/"}}
-    with procfs.using_procfs(str(root)):
-        assert take.spill_dirs(found, containers=True) == {
-            10: ("/dev/shm", "/dev/shm"), 20: ("/run/snapguard-spill", "/run/snapguard-spill/pods/a")}
-        assert take.spill_dirs(found, containers=False) == {10: ("/dev/shm", "/dev/shm")}
-        # the container's directory mapped to the host's, but that is no tmpfs here: none
-        (root / "20" / "mountinfo").write_text("101 100 8:1 /srv /run/snapguard-spill rw - ext4 /dev/vda rw\n")
-        assert 20 not in take.spill_dirs(found, containers=True)
+    spill_dev = "0:31"
+    rel = "/" + shm.name  # shm's path below /dev/shm, the tmpfs's root
+    other = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/dev/shm"))
+    (shm / "link").symlink_to(other)
+    try:
+        root = with_mountinfo(
+            tmp_path,
+            "1 0 8:1 / / rw - ext4 /dev/vda rw",
+            f"2 1 {spill_dev} / /dev/shm rw - tmpfs shm rw")
+        (root / "self" / "ns").mkdir()
+        (root / "self" / "ns" / "mnt").symlink_to("mnt:[1]")
+        for pid, ns in ((10, 1), (11, 1), (12, 1), (20, 2), (21, 3), (22, 4), (23, 1), (24, 1)):
+            (root / str(pid) / "ns").mkdir(parents=True)
+            (root / str(pid) / "ns" / "mnt").symlink_to(f"mnt:[{ns}]")
+            (root / str(pid) / "root").symlink_to("/")  # a container whose files are the host's own
+        # 20: the host tmpfs's directory bound at the same path; 22: bound at that path, but from
+        # another directory than the one its root shows there; 21: its own tmpfs only
+        (root / "20" / "mountinfo").write_text(f"101 100 {spill_dev} {rel} {shm} rw - tmpfs shm rw\n")
+        (root / "22" / "mountinfo").write_text(f"101 100 {spill_dev} /{other.name} {shm} rw - tmpfs shm rw\n")
+        (root / "21" / "mountinfo").write_text(f"102 100 0:41 / {shm} rw - tmpfs shm rw\n")
+        found = {10: {"spill": True, "spill_dir": str(shm)},
+                 11: {"spill": True},  # an older hook
+                 12: {"spill": True, "spill_dir": str(shm / "link")},
+                 20: {"spill": True, "spill_dir": str(shm)},
+                 21: {"spill": True, "spill_dir": str(shm)},
+                 22: {"spill": True, "spill_dir": str(shm)},
+                 23: {"spill": False, "spill_dir": str(shm)},
+                 24: {"spill": True, "spill_dir": str(shm) + "/"}}
+        with procfs.using_procfs(str(root)):
+            assert take.spill_dirs(found, containers=True) == {10: (str(shm), str(shm)), 11: None,
+                                                               20: (str(shm), str(shm))}
+            assert take.spill_dirs(found, containers=False) == {10: (str(shm), str(shm)), 11: None}
+            # the source of the bind removed: the kernel's "//deleted" root maps to nothing
+            (root / "20" / "mountinfo").write_text(f"101 100 {spill_dev} {rel}//deleted {shm} rw - tmpfs shm rw\n")
+            assert 20 not in take.spill_dirs(found, containers=True)
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_restored_containers_spills_go_to_their_trainers_by_the_pid_each_sees() -> None:
+    """After a container's restore its trainers have new host pids: each spill goes to the process
+    that has, in its namespace, the pid the manifest recorded for its trainer at the dump
+    (`processes[].nspid`). A trainer not found in the restored tree, or two spills landing on one
+    process, refuse the release (CRIU_RESTORE_FAILED) rather than give one trainer another's
+    bytes. Real processes (in this namespace a process's pid is the one it sees)."""
+    from snapguard.pipeline._sequence import _by_restored_pid
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    try:
+        a, b = (k.pid for k in kids)
+        manifest = {"processes": [{"pid": 100, "nspid": a}, {"pid": 200, "nspid": b}, {"pid": 300}]}
+        spills = {100: ("snapguard-take-100.bin", 1), 200: ("snapguard-take-200.bin", 2)}
+        assert _by_restored_pid(spills, manifest, os.getpid()) == {a: spills[100], b: spills[200]}
+        # the old pid of one is the new pid of the other: no spill is kept by an old key
+        crossed = {"processes": [{"pid": b, "nspid": a}, {"pid": a, "nspid": b}]}
+        assert _by_restored_pid({b: ("x", 1), a: ("y", 2)}, crossed, os.getpid()) == {a: ("x", 1), b: ("y", 2)}
+        for manifest, wanted in (
+                ({"processes": [{"pid": 100, "nspid": 999999999}]}, {100: ("x", 1)}),  # not restored
+                ({"processes": [{"pid": 300}]}, {100: ("x", 1)}),  # no record of it
+                ({"processes": [{"pid": 100, "nspid": a}, {"pid": 200, "nspid": a}]},
+                 {100: ("x", 1), 200: ("y", 2)})):  # two onto one
+            with pytest.raises(SnapguardError) as e:
+                _by_restored_pid(wanted, manifest, os.getpid())
+            assert e.value.failure.reason is Reason.CRIU_RESTORE_FAILED
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
