@@ -30,9 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from snapguard.config import Config
-from snapguard.files import spill_tmpfs_usable
-from snapguard.hooks import site_dir
-from snapguard.names import SPILL_TMPFS
+from snapguard.hooks import SPILL_TMPFS, node_spill_dir, site_dir
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import SnapguardError
 
@@ -330,8 +328,7 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     # the node's spill tmpfs bound in (a directory of its own in it, or in /dev/shm where the node
     # mounts none), as a pod would by a hostPath: the take point's moved bytes go there, not into
     # the container's own /dev/shm, which CRIU dumps with the container
-    node_spill = SPILL_TMPFS if spill_tmpfs_usable(SPILL_TMPFS, anyone=True) else "/dev/shm"
-    spill_host = Path(tempfile.mkdtemp(prefix="drill-", dir=node_spill))
+    spill_host = Path(tempfile.mkdtemp(prefix="drill-", dir=node_spill_dir()))
     try:
         spill_host.chmod(0o1777)  # the trainer may run as any user
         bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,

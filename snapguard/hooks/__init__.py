@@ -17,9 +17,21 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["RESOLVE_ENV", "site_dir", "socket_path", "start_in_workload"]
+__all__ = ["RESOLVE_ENV", "SPILL_TMPFS", "node_spill_dir", "site_dir", "socket_path", "start_in_workload"]
+
+from ..names import SPILL_TMPFS as SPILL_TMPFS  # where trainers spill by default; a container binds it in
 
 RESOLVE_ENV = "SNAPGUARD_RESOLVE_BLOCKERS"
+
+
+def node_spill_dir() -> str:
+    """Where this node's take points spill by default, the directory a container's spec binds at
+    SPILL_TMPFS for its trainer to spill: SPILL_TMPFS where a tmpfs that every user may write is
+    mounted there (`snapguard preflight --node` says whether it has huge pages), else /dev/shm."""
+    from .. import names
+    from ..files import spill_tmpfs_usable
+
+    return names.SPILL_TMPFS if spill_tmpfs_usable(names.SPILL_TMPFS, anyone=True) else "/dev/shm"
 
 
 def site_dir() -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import re
 
-from .. import criu, files, procfs
+from .. import criu, procfs
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
+from ..hooks import node_spill_dir
 from ..names import SPILL_TMPFS
 from ..reasons import Finding, Reason, Severity, SnapguardError
 
@@ -171,7 +172,7 @@ def spill_tmpfs() -> dict[str, object]:
     shmem_enabled at force): with 4 KiB pages its fill runs at about a third of the rate
     (bench/spill_fill.py). A fact for the node report, not a finding: a trainer's own
     SNAPGUARD_TAKE_SPILL_DIR overrides it."""
-    chosen = SPILL_TMPFS if files.spill_tmpfs_usable(SPILL_TMPFS, anyone=True) else "/dev/shm"
+    chosen = node_spill_dir()
     mounted = procfs.mount_of(chosen)
     options = mounted.get("options") if mounted else None
     huge = options.get("huge") if isinstance(options, dict) else None
