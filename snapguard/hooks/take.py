@@ -17,7 +17,7 @@ memory and hands the file's descriptor over with the take's answer (SCM_RIGHTS),
 reference to it while it is dumped: the executor writes that file into the image itself (`Spill`),
 and passes it back with the release, to reload from. A restore passes the image's copy instead.
 A container's trainer spills only into a directory that is a bind mount of the host's (runc gives
-CRIU every bind mount as an external one, so its files are not dumped); its own /dev/shm is
+CRIU the spec's bind mounts as external ones, so their files are not dumped); its own /dev/shm is
 dumped with the container, spill and all.
 """
 
