@@ -231,20 +231,16 @@ def spill_dirs(found: dict[int, dict[str, Any]], containers: bool,
             continue
         if not isinstance(there, str) or not there.startswith("/") or os.path.normpath(there) != there:
             continue
-        if own:
-            here: str | None = there
-        elif containers:
-            here = procfs.mount_here(pid, there, proc)
-            chain = procfs.mounts_on_path(there, proc, pid=pid)
-            if here is None or not chain or any(str(m["fstype"]).startswith(_MAY_HANG) for m in chain):
-                continue
-            seen = _dir_id(there, f"{proc or procfs.procfs_path()}/{pid}/root")
-            if seen is None or seen != _dir_id(here):
-                continue  # not the directory it sees: something over it, or a source gone
-        else:
+        here = there if own else procfs.mount_here(pid, there, proc) if containers else None
+        # judged from mountinfo before root looks anything up along it
+        if here is None or not tmpfs_dir(here) or (here_id := _dir_id(here)) is None:
             continue
-        if here is not None and tmpfs_dir(here) and _dir_id(here) is not None:
-            out[pid] = (there, here)
+        if not own:
+            chain = procfs.mounts_on_path(there, proc, pid=pid)
+            if not chain or any(str(m["fstype"]).startswith(_MAY_HANG) for m in chain) or \
+                    _dir_id(there, f"{proc or procfs.procfs_path()}/{pid}/root") != here_id:
+                continue  # not the directory it sees: something over it, or a source gone
+        out[pid] = (there, here)
     return out
 
 
