@@ -166,7 +166,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
             files.ensure_private_dir(req.work_dir)
         with steps.step("take", Reason.PREFLIGHT_FAILED):
             # the node's spill directories, and the host directories containers spill into here
-            mapped = tuple(sorted({where[1] for where in spill.values() if where is not None}))
+            mapped = tuple(where[1] for where in spill.values() if where is not None)
             journal = _sweep_spills(config, steps, report.warnings, mapped) if spill else None
             figures, take_warnings, _, spills = take.hold(found, cuda_pids, req.timeouts.take_wait_s, spill=spill)
             try:
@@ -486,8 +486,7 @@ def _sweep_spills(config: Config, steps: _Steps, warnings: list[Finding], dirs: 
     try:
         with steps.timed("spill_sweep"):
             # no journal needed: found by their names
-            orphans = _spill.sweep_orphans(_spill.DEFAULT_SPILL_DIRS + tuple(d for d in dirs
-                                                                            if d not in _spill.DEFAULT_SPILL_DIRS))
+            orphans = _spill.sweep_orphans(tuple(dict.fromkeys(_spill.DEFAULT_SPILL_DIRS + dirs)))
             journal = files.ensure_private_dir(os.path.join(config.state_dir, "spills"))
             removed = _spill.sweep(journal)
     except (OSError, UntrustedPathError) as e:
