@@ -329,13 +329,6 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
     # mounts none), as a pod would by a hostPath: the take point's moved bytes go there, not into
     # the container's own /dev/shm, which CRIU dumps with the container
     spill_host = Path(tempfile.mkdtemp(prefix="drill-", dir=node_spill_dir()))
-    try:
-        spill_host.chmod(0o1777)  # the trainer may run as any user
-        bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,
-                             writable={"/out": str(out), SPILL_TMPFS: str(spill_host)})
-    except BaseException:
-        shutil.rmtree(spill_host, ignore_errors=True)
-        raise
     root, cid = str(base / "runc-root"), "snapguard-torch-drill"
     sg = [executor, "--root", root]
 
@@ -346,18 +339,21 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
             raise RuntimeError(f"snapguard-runc {argv[0]} exited {done.returncode}: {done.stderr.strip()[-800:]}")
         return done
 
-    # stdio /dev/null, as containerd's null IO: a file opened on the host is outside the container's
-    # mounts and CRIU cannot dump it; the trainer opens its own stderr file in /out
-    run.launched_at = time.time()
-    runc_log = base / "runc-run.log"
-    rc = subprocess.run([*sg, "--log", str(runc_log), "run", "--detach", "--bundle", str(bundle), cid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                        timeout=120, check=False).returncode
-    if rc != 0:
-        tail = runc_log.read_text(errors="replace")[-800:] if runc_log.exists() else ""
-        release_mounts(bundle)
-        shutil.rmtree(spill_host, ignore_errors=True)
-        raise RuntimeError(f"snapguard-runc run exited {rc}: {tail.strip()}")
+    bundle: Path | None = None
     try:
+        spill_host.chmod(0o1777)  # the trainer may run as any user
+        bundle = host_bundle(base / "bundle", args, env, host_dirs, devices=devices, runc=config.runc,
+                             writable={"/out": str(out), SPILL_TMPFS: str(spill_host)})
+        # stdio /dev/null, as containerd's null IO: a file opened on the host is outside the container's
+        # mounts and CRIU cannot dump it; the trainer opens its own stderr file in /out
+        run.launched_at = time.time()
+        runc_log = base / "runc-run.log"
+        rc = subprocess.run([*sg, "--log", str(runc_log), "run", "--detach", "--bundle", str(bundle), cid],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            timeout=120, check=False).returncode
+        if rc != 0:
+            tail = runc_log.read_text(errors="replace")[-800:] if runc_log.exists() else ""
+            raise RuntimeError(f"snapguard-runc run exited {rc}: {tail.strip()}")
         run.restored_pid = int(json.loads(call("state", cid).stdout)["pid"])
         run.wait_step(at)
         t_request = time.time()
@@ -374,8 +370,9 @@ def container_run(base: Path, config: Config, ref: Trainer, ref_result: dict[str
         first_new = run.first_step_after(t_restore)
         result = run.wait_done(pid=rs["pid"])
     finally:
-        subprocess.run([config.runc, "--root", root, "delete", "--force", cid], capture_output=True, check=False)
-        release_mounts(bundle)
+        if bundle is not None:
+            subprocess.run([config.runc, "--root", root, "delete", "--force", cid], capture_output=True, check=False)
+            release_mounts(bundle)
         left = sorted(p.name for p in spill_host.iterdir()) if spill_host.is_dir() else []
         shutil.rmtree(spill_host, ignore_errors=True)
     spills = [((f or {}).get("offload") or {}).get("spill") for f in (ck.get("take_point") or {}).values()]
