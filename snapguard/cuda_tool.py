@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .devicemap import DeviceMap
 from .wire import BROKER_ENV as ENV  # standard library only, unlike snapguard.cuda (cffi)
 REPLY_MAX = 1 << 20  # the help text and a line of output or error fit many times over
 REPLY_WAIT_S = 900.0  # a restore of a large GPU state takes minutes at most; the broker ends with its run
@@ -48,7 +49,7 @@ def _ask(path: str, argv: list[str], device_map: str | None) -> tuple[int, str, 
 def main() -> int:
     argv = sys.argv[1:]
     path = os.environ.get(ENV)
-    got = _ask(path, argv, os.environ.get("SNAPGUARD_DEVICE_MAP")) if path else None
+    got = _ask(path, argv, os.environ.get(DeviceMap.ENV)) if path else None
     if got is None:
         from .cuda.cli import main as answer_here
 

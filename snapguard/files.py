@@ -10,9 +10,8 @@ from typing import Any
 
 from .trust import make_private_dir, resolve_trusted
 
-__all__ = ["TMPFS_MAGIC", "FileCopy", "ensure_private_dir", "fs_type", "spill_tmpfs_usable", "write_private_bytes", "write_private_json"]
-
-TMPFS_MAGIC = 0x01021994  # statfs(2)'s f_type of a tmpfs (and of a memfd's internal mount)
+__all__ = ["FileCopy", "ensure_private_dir", "rename_into_place", "write_atomic", "write_private_bytes",
+           "write_private_json"]
 
 
 def ensure_private_dir(path: str) -> str:
@@ -31,65 +30,70 @@ def ensure_private_dir(path: str) -> str:
     return make_private_dir(path)
 
 
-def write_private_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` 0600 through a temporary file, fsync and rename."""
+def write_atomic(path: str, data: bytes, mode: int = 0o600, *, dir_fd: int | None = None,
+                 exclusive_tmp: bool = False) -> None:
+    """The one atomic write: `data` to a temporary file beside `path` (created `mode`, never
+    through a link), fsync, rename over `path`, fsync of the directory. With `dir_fd`, `path` is a
+    name in that directory, and both names are resolved against it (no path walk). With
+    `exclusive_tmp`, a temporary file left by a killed run of this pid is removed and the new one
+    created O_EXCL. On failure the temporary file is removed and `path` is as it was."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    if exclusive_tmp:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        flags |= os.O_EXCL
+    else:
+        flags |= os.O_TRUNC
+    fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            if mode != 0o600:
+                os.fchmod(fd, mode)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         raise
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    if dir_fd is not None:
         os.fsync(dir_fd)
+        return
+    parent = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(parent)
     finally:
-        os.close(dir_fd)
+        os.close(parent)
+
+
+def rename_into_place(tmp: str, path: str) -> None:
+    """Rename the finished temporary file `tmp` (fsynced by its writer, in `path`'s directory)
+    over `path`, then fsync the directory: how a file written in pieces (streamed, copied) takes
+    its name atomically."""
+    os.replace(tmp, path)
+    parent = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+def write_private_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` 0600, atomically (write_atomic)."""
+    write_atomic(path, data, 0o600)
 
 
 def write_private_json(path: str, obj: Any) -> None:
     write_private_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def fs_type(fd: int) -> int:
-    """The f_type of the filesystem an open file is on (fstatfs(2)); OSError when it fails."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = (ctypes.c_long * 32)()  # struct statfs is 120 bytes on x86_64 and aarch64; f_type first
-    if libc.fstatfs(fd, buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(buf[0]) & 0xFFFFFFFF
-
-
-def spill_tmpfs_usable(path: str, anyone: bool = False) -> bool:
-    """Whether `path` is a tmpfs mounted there (not merely a directory of the tmpfs above it, as
-    one left on /run by a mount that failed would be) in which this process may make files; with
-    `anyone`, in which every user may (mode 1777, as /dev/shm: what root asks for its trainers).
-    Never raises."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        st, above = os.fstat(fd), os.stat("..", dir_fd=fd)
-        if fs_type(fd) != TMPFS_MAGIC or st.st_dev == above.st_dev:
-            return False
-        if anyone:
-            return st.st_mode & 0o1777 == 0o1777
-        return os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 class FileCopy:
@@ -99,7 +103,7 @@ class FileCopy:
     memory). One thread, because a buffered write takes the file's inode lock: on the H200 four
     threads writing 64 MiB spans of one 19.2 GB file wrote 1.6-1.8 GB/s into ext4, against CRIU's
     2.7 GB/s front to back (bench/results/h200/offload-2026-12-01/run12b). Used for a trainer's
-    spilled bytes (snapguard.hooks.take.Spill): written into the image beside CRIU's run, or after
+    spilled bytes (snapguard.takepoint.spill.Spill): written into the image beside CRIU's run, or after
     the release, instead of by CRIU inside the stall.
 
     `start()` returns at once; `wait()` returns once every byte is written, or raises the first

@@ -9,9 +9,9 @@ processes checkpointed and leaves them so; at restore it restores and unlocks th
 
 from __future__ import annotations
 
-import os
 import time
 
+from . import procfs
 from .reasons import Reason, SnapguardError
 
 __all__ = ["resume", "suspend", "wedged"]
@@ -55,7 +55,7 @@ def resume(pids: list[int]) -> dict[int, str]:
     except OSError as e:
         return {pid: f"driver not loadable: {e}" for pid in pids}
     for pid in pids:
-        if not os.path.exists(f"/proc/{pid}"):
+        if not procfs.exists(pid):
             outcomes[pid] = "gone"
             continue
         try:

@@ -7,7 +7,7 @@ checkpointctl's own names (config.dump, spec.dump, ...), which none of these col
 import re
 
 __all__ = ["DUMP_LOG", "MANIFEST_NAME", "MARKER_NAME", "NOT_IMAGE_FILES", "RESTORED_PIDFILE", "RESTORE_LOG",
-           "RESULT_NAME", "SPILL_TMPFS", "TAKE_SPILL", "TAKE_SPILL_SOURCE", "take_spill_name", "take_spill_source_name"]
+           "RESULT_NAME", "TAKE_SPILL", "take_spill_name"]
 
 MANIFEST_NAME = "snapguard-manifest.json"
 MARKER_NAME = "snapguard-complete.json"  # written last: its presence means the image is whole
@@ -21,25 +21,12 @@ NOT_IMAGE_FILES = frozenset({MANIFEST_NAME, MARKER_NAME, RESULT_NAME, RESTORE_LO
                              "stats-restore"})
 
 
-# Where a node mounts a tmpfs for take points' spills, with huge pages (huge=within_size): a
-# trainer spills there when SNAPGUARD_TAKE_SPILL_DIR does not say and it is a tmpfs, else into
-# /dev/shm (4 KiB pages). `snapguard preflight --node` reports which.
-SPILL_TMPFS = "/run/snapguard-spill"
-
 TAKE_SPILL = re.compile(r"snapguard-take-[0-9]+\.bin")  # take_spill_name's, and only those
-# take_spill_source_name's, and only those; group 1 the pid (as the trainer sees it)
-TAKE_SPILL_SOURCE = re.compile(r"snapguard-take-([0-9]+)-[0-9a-f]{16}")
+# The take point's own spill files (before the executor writes them into an image) are named
+# in snapguard.takepoint.protocol (TAKE_SPILL_SOURCE), which the trainer's side imports alone.
 
 
 def take_spill_name(pid: int) -> str:
     """The image file that holds the bytes pid's take point moved into a file of its own (its
     spill), written by the executor, not by CRIU; the manifest's take_point names it."""
     return f"snapguard-take-{pid}.bin"
-
-
-def take_spill_source_name(pid: int) -> str:
-    """A new name for the file on a tmpfs into which pid's take point moves its bytes (its spill,
-    before the executor writes it into the image): the pid and 64 random bits."""
-    import secrets
-
-    return f"snapguard-take-{pid}-{secrets.token_hex(8)}"

@@ -97,7 +97,7 @@ class Reason(enum.Enum):
 
     # workload checks
     STRAY_GPU_DEVICE_HANDLE = _Meta("a process holds /dev/nvidia* but has no CUDA context", P, True,
-                                    "start the job with snapguard's take-point hook (PYTHONPATH=<snapguard/hooks/"
+                                    "start the job with snapguard's take-point hook (PYTHONPATH=<snapguard/takepoint/"
                                     "site>, SNAPGUARD_TAKE_DIR; it drops the GPU handles forked workers inherit "
                                     "and shuts torch.compile's pool down) or the spawn start method; stop NVML "
                                     "monitors in the tree")

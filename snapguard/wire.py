@@ -1,15 +1,13 @@
 """One JSON line over a Unix stream socket: how the executor's cuda-checkpoint broker and the tool
-talk (snapguard.cuda._broker, snapguard.cuda_tool), and the take point's descriptors with its
-requests and answers (snapguard.hooks). Standard library only: the tool imports it inside a
-trainer's stall."""
+talk (snapguard.cuda._broker, snapguard.cuda_tool). Standard library only: the tool imports it
+inside a trainer's stall. The take point's socket has its own wire in snapguard.takepoint.protocol."""
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 
-__all__ = ["BROKER_ENV", "LineTooLong", "peer_uid", "recv_fds", "recv_line"]
+__all__ = ["BROKER_ENV", "LineTooLong", "peer_uid", "recv_line"]
 
 # The environment entry that names the executor's broker socket: set by snapguard for the CRIU it
 # runs (so for CRIU's plugin and the tool it starts). A value in snapguard's own environment is
@@ -34,15 +32,6 @@ def recv_line(sock: socket.socket, limit: int) -> bytes:
         if len(data) > limit and b"\n" not in data:
             raise LineTooLong(f"over {limit} bytes")
     return data[:data.index(b"\n") + 1]
-
-
-def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
-    """One read, and the descriptors that came with it (SCM_RIGHTS), none of them inherited by a
-    child: socket.recv_fds cannot ask for MSG_CMSG_CLOEXEC."""
-    data, fds, _, _ = socket.recv_fds(sock, bufsize, maxfds)
-    for fd in fds:
-        os.set_inheritable(fd, False)
-    return data, list(fds)
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -13,9 +13,10 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from ..devicemap import DeviceMap
 from ._driver import CudaError, Driver, load
 
-HELP = """CUDA checkpoint and restore utility (snapguard's, on the cuCheckpointProcess* driver API).
+HELP = f"""CUDA checkpoint and restore utility (snapguard's, on the cuCheckpointProcess* driver API).
 Toggles the state of CUDA within a process between suspended and running.
 
     --toggle --pid <value> [--timeout <ms>] [--device-map <old=new,...>]
@@ -31,7 +32,7 @@ Toggles the state of CUDA within a process between suspended and running.
     --help, -h
         Print this help.
 
-When CRIU's CUDA plugin runs it, a device map also comes from SNAPGUARD_DEVICE_MAP (same format),
+When CRIU's CUDA plugin runs it, a device map also comes from {DeviceMap.ENV} (same format),
 which snapguard sets for a restore onto other GPUs of the same model: the plugin passes none.
 """
 
@@ -50,14 +51,15 @@ class _Parser(argparse.ArgumentParser):
         return HELP
 
 
-def _device_map(text: str) -> list[tuple[str, str]]:
-    pairs = []
-    for item in text.split(","):
-        old, sep, new = item.partition("=")
-        if not sep or not old.strip() or not new.strip():
-            raise argparse.ArgumentTypeError(f"device map entry {item!r} is not OLD_UUID=NEW_UUID")
-        pairs.append((old.strip(), new.strip()))
-    return pairs
+def _device_map(text: str) -> DeviceMap:
+    try:
+        return DeviceMap.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pairs(device_map: DeviceMap | None) -> list[tuple[str, str]] | None:
+    return list(device_map.pairs) if device_map else None
 
 
 def _parser() -> _Parser:
@@ -76,7 +78,7 @@ def _parser() -> _Parser:
 
 def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver] = load) -> tuple[int, str, str]:
     """What `cuda-checkpoint ARGV` exits with and prints, as (exit code, stdout, stderr), with
-    `device_map` as SNAPGUARD_DEVICE_MAP. The tool itself and the executor's broker (the same
+    `device_map` as the environment's DeviceMap.ENV. The tool itself and the executor's broker (the same
     answers to CRIU's plugin without a process per call, snapguard.cuda._broker) both use it."""
     try:
         args = _parser().parse_args(argv)
@@ -86,9 +88,9 @@ def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver]
             raise UsageError("--pid is required")
         if args.device_map is None and device_map:
             try:
-                args.device_map = _device_map(device_map)
-            except argparse.ArgumentTypeError as e:
-                raise UsageError(f"SNAPGUARD_DEVICE_MAP: {e}") from None
+                args.device_map = DeviceMap.parse(device_map)
+            except ValueError as e:
+                raise UsageError(f"{DeviceMap.ENV}: {e}") from None
     except UsageError as e:
         return 2, "", f"cuda-checkpoint: {e}\n"
     out = ""
@@ -103,14 +105,14 @@ def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver]
         elif args.action == "checkpoint":
             d.checkpoint(args.pid)
         elif args.action == "restore":
-            d.restore(args.pid, args.device_map)
+            d.restore(args.pid, _pairs(args.device_map))
         elif args.action == "unlock":
             d.unlock(args.pid)
         elif d.state(args.pid) == "running":
             d.lock(args.pid, args.timeout)
             d.checkpoint(args.pid)
         else:
-            d.restore(args.pid, args.device_map)
+            d.restore(args.pid, _pairs(args.device_map))
             d.unlock(args.pid)
     except CudaError as e:
         return 1, out, f"cuda-checkpoint: {e}\n"
@@ -122,7 +124,7 @@ def answer(argv: list[str], device_map: str | None, driver: Callable[[], Driver]
 
 
 def main(argv: list[str] | None = None) -> int:
-    rc, out, err = answer(sys.argv[1:] if argv is None else argv, os.environ.get("SNAPGUARD_DEVICE_MAP"))
+    rc, out, err = answer(sys.argv[1:] if argv is None else argv, os.environ.get(DeviceMap.ENV))
     sys.stdout.write(out)
     sys.stderr.write(err)
     return rc
