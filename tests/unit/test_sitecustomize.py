@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from snapguard.hooks import site_dir, socket_path
+from snapguard.takepoint import site_dir, socket_path
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = ("import os, sys, time; time.sleep(0.3); "

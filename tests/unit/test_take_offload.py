@@ -1,4 +1,4 @@
-"""The take point's move of tensor bytes off the device for the hold (`_Offload`), on real PyTorch.
+"""The take point's move of tensor bytes off the device for the hold (`Offload`), on real PyTorch.
 
 The machine running these has no GPU, so the same code moves CPU storages (device_type "cpu"):
 what is tested is what does not depend on the device: every storage is emptied in place, views
@@ -15,7 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from snapguard.hooks._workload import _Offload, _optimizer_tensors  # noqa: E402
+from snapguard.takepoint.workload import offload as offload_module  # noqa: E402
+from snapguard.takepoint.workload.offload import Offload, host_room, optimizer_tensors  # noqa: E402
+from snapguard.takepoint.workload.point import TakePoint  # noqa: E402
+from snapguard.takepoint.workload.ring import Ring  # noqa: E402
+from snapguard.takepoint.workload.server import answer  # noqa: E402
 
 
 def _trainer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -50,8 +54,8 @@ def test_storages_are_emptied_in_place_and_come_back_exact() -> None:
     before = [t.detach().clone() for t in _tensors(model, opt)]
     storages = {t.untyped_storage()._cdata for t in _tensors(model, opt)}
 
-    offload = _Offload("cpu")
-    figures = offload.take(torch, _optimizer_tensors(torch, opt), [view])
+    offload = Offload("cpu")
+    figures = offload.take(torch, optimizer_tensors(torch, opt), [view])
     assert figures["state"] == "moved", figures
     assert figures["storages"] == len(storages)  # each storage once; the view's is its base's
     assert figures["bytes"] == sum(t.untyped_storage().nbytes() for t in before)
@@ -75,7 +79,7 @@ def test_storages_it_does_not_own_stay_and_other_devices_are_not_touched() -> No
     shared = torch.from_numpy(numpy.arange(64, dtype=numpy.float32))  # numpy's memory: not resizable
     mine = torch.arange(32, dtype=torch.float64)
     meta = torch.empty(1000, device="meta")
-    figures = _Offload("cpu").take(torch, [shared, mine, meta, "not a tensor", 7])
+    figures = Offload("cpu").take(torch, [shared, mine, meta, "not a tensor", 7])
     assert figures["state"] == "moved" and figures["storages"] == 1, figures
     assert figures["kept_bytes"] == 64 * 4 and figures["bytes"] == 32 * 8
     assert shared.untyped_storage().nbytes() == 64 * 4 and torch.equal(shared, torch.arange(64.0))
@@ -88,18 +92,18 @@ def test_a_storage_whose_memory_another_storage_covers_stays() -> None:
     exported = torch.arange(64.0)
     alias = torch.from_dlpack(exported)
     alone = torch.arange(16.0)
-    figures = _Offload("cpu").take(torch, [exported, alone], [alias])
+    figures = Offload("cpu").take(torch, [exported, alone], [alias])
     assert figures["storages"] == 1 and figures["kept_bytes"] == 64 * 4, figures
     exported.add_(1)
     assert torch.equal(alias, torch.arange(64.0) + 1)  # still the same memory
     part = torch.from_dlpack(exported)[8:16]  # an alias of a part of it counts as well
-    assert _Offload("cpu").take(torch, [exported], [part])["kept_bytes"] == 64 * 4
+    assert Offload("cpu").take(torch, [exported], [part])["kept_bytes"] == 64 * 4
 
 
 def test_nothing_moves_while_a_cuda_graph_exists() -> None:
     graph = object.__new__(torch.cuda.CUDAGraph)  # the type is what is checked: this machine has no GPU
     mine = torch.arange(8.0)
-    figures = _Offload("cpu").take(torch, [mine], [graph])
+    figures = Offload("cpu").take(torch, [mine], [graph])
     assert figures == {"state": "skipped", "why": "a CUDA graph exists (it replays kernels at fixed addresses)"}
     assert mine.untyped_storage().nbytes() == 32
 
@@ -108,7 +112,7 @@ def test_a_copy_that_fails_changes_nothing_and_says_why() -> None:
     """The device here is "meta": its storages have a size but no bytes to copy, so the copy fails
     and the take says so; a CPU storage is not on that device and stays as it was."""
     mine = torch.arange(8.0)
-    offload = _Offload("meta")
+    offload = Offload("meta")
     figures = offload.take(torch, [mine, torch.empty(4, device="meta")])
     assert figures["state"] == "failed" and figures["error"], figures
     assert offload.moved == [] and torch.equal(mine, torch.arange(8.0))
@@ -117,10 +121,9 @@ def test_a_copy_that_fails_changes_nothing_and_says_why() -> None:
 def test_a_copy_that_fails_part_way_leaves_every_storage_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """No storage is emptied before every copy is done: a failure part way, whether where the
     copies start or in a thread copying into the arena, leaves all of them as they were."""
-    from snapguard.hooks import _workload
 
     first, second, third = torch.arange(64.0), torch.arange(32.0), torch.arange(16.0)
-    real, calls = _workload._as_bytes, []
+    real, calls = offload_module.as_bytes, []
 
     def failing_second(*args):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -128,16 +131,16 @@ def test_a_copy_that_fails_part_way_leaves_every_storage_in_place(monkeypatch: p
             raise RuntimeError("injected: the second copy fails")
         return real(*args)
 
-    monkeypatch.setattr(_workload, "_as_bytes", failing_second)
-    offload = _Offload("cpu")
+    monkeypatch.setattr(offload_module, "as_bytes", failing_second)
+    offload = Offload("cpu")
     figures = offload.take(torch, [third, first, second])
     assert figures["state"] == "failed" and "injected" in figures["error"], figures
     assert figures["bytes"] == 0 and figures["left_bytes"] == (64 + 32 + 16) * 4, figures
     assert offload.moved == [] and offload.arena is None
     assert torch.equal(first, torch.arange(64.0)) and torch.equal(second, torch.arange(32.0))
-    monkeypatch.setattr(_workload, "_as_bytes", real)
+    monkeypatch.setattr(offload_module, "as_bytes", real)
 
-    real_drain, drains = _workload._Ring._drain, []
+    real_drain, drains = Ring._drain, []
 
     def failing_third_drain(self, *args):  # type: ignore[no-untyped-def]
         drains.append(1)
@@ -145,7 +148,7 @@ def test_a_copy_that_fails_part_way_leaves_every_storage_in_place(monkeypatch: p
             raise OSError("injected: the host copy fails")
         return real_drain(self, *args)
 
-    monkeypatch.setattr(_workload._Ring, "_drain", failing_third_drain)
+    monkeypatch.setattr(Ring, "_drain", failing_third_drain)
     figures = offload.take(torch, [third, first, second])
     assert figures["state"] == "failed" and "injected" in figures["error"], figures
     assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in (first, second, third))
@@ -154,15 +157,14 @@ def test_a_copy_that_fails_part_way_leaves_every_storage_in_place(monkeypatch: p
 
 def test_storages_larger_than_a_slot_go_through_the_ring_in_pieces_and_come_back_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copies pass through `_Ring`'s few slots: storages many slots long, and ones that end part
+    """The copies pass through `Ring`'s few slots: storages many slots long, and ones that end part
     way into a slot, wrap around the ring out and back and keep every byte."""
-    from snapguard.hooks import _workload
 
-    monkeypatch.setattr(_workload._Ring, "SLOT_BYTES", 4096)
+    monkeypatch.setattr(Ring, "SLOT_BYTES", 4096)
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.rand(n, generator=gen) for n in (40_000, 1024, 5_000, 3, 17_000)]  # 160 KB .. 12 B
     before = [t.clone() for t in tensors]
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, tensors)
     assert figures["state"] == "moved" and figures["storages"] == len(tensors), figures
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
@@ -179,7 +181,7 @@ def test_the_reload_waits_for_memory_then_gives_up(monkeypatch: pytest.MonkeyPat
     """No memory for a storage on the release (another process took what the hold freed): tried
     again until the patience runs out, then the error; what came back stays back."""
     a, b = torch.arange(64.0), torch.arange(32.0)
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     offload.take(torch, [a, b])
     storage = a.untyped_storage()
     real = type(storage).resize_
@@ -196,7 +198,7 @@ def test_the_reload_waits_for_memory_then_gives_up(monkeypatch: pytest.MonkeyPat
     offload.reload(torch, patience_s=5.0)  # two failures, then it fits
     assert time.monotonic() - t0 >= 1.0 and torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0))
 
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     offload.take(torch, [a])
     storage = a.untyped_storage()
     failures[0] = 10 ** 6
@@ -211,8 +213,8 @@ def test_the_whole_heap_of_a_process_is_a_valid_input() -> None:
     model, opt = _trainer(1)
     _step(model, opt, 0)
     before = [t.detach().clone() for t in _tensors(model, opt)]
-    offload = _Offload("cpu")
-    figures = offload.take(torch, _optimizer_tensors(torch, opt), gc.get_objects())
+    offload = Offload("cpu")
+    figures = offload.take(torch, optimizer_tensors(torch, opt), gc.get_objects())
     assert figures["state"] == "moved" and figures["storages"] == len(before), figures
     offload.reload(torch)
     assert all(torch.equal(a, b) for a, b in zip(before, _tensors(model, opt)))
@@ -220,7 +222,7 @@ def test_the_whole_heap_of_a_process_is_a_valid_input() -> None:
 
 def test_past_its_deadline_the_rest_stays_and_the_arena_goes_with_the_reload() -> None:
     big, small = torch.arange(4096.0), torch.arange(16.0)
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, [small, big], deadline=0.0)  # long past: nothing moves
     assert figures["state"] == "partial" and figures["storages"] == 0, figures
     assert figures["left_bytes"] == 4096 * 4 + 16 * 4 and big.untyped_storage().nbytes() == 4096 * 4
@@ -229,14 +231,14 @@ def test_past_its_deadline_the_rest_stays_and_the_arena_goes_with_the_reload() -
     # one that would not be copied by the deadline at the rate assumed (2 GB/s, with a ring's
     # 256 MiB in flight) stays; a smaller one after it still moves
     large = torch.empty(64 << 20)  # 256 MiB: 0.27 s at that rate with the ring's, the small one 0.13 s
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.25)
     assert figures["state"] == "partial" and figures["left_bytes"] == 256 << 20, figures
     assert figures["storages"] == 1 and small.untyped_storage().nbytes() == 0
     offload.reload(torch)
     del large
 
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     assert offload.take(torch, [small, big])["state"] == "moved"
     assert [n for _, _, n in offload.moved] == [4096 * 4, 16 * 4]  # the largest first
     arena = offload.arena
@@ -252,9 +254,7 @@ def test_a_hold_the_executor_gave_up_on_does_not_wait_for_a_release() -> None:
     trainer got into it, the trainer goes on at once instead of after SNAPGUARD_TAKE_HOLD_S."""
     import threading
 
-    from snapguard.hooks._workload import _answer, _TakePoint
-
-    point = _TakePoint()
+    point = TakePoint()
     for give_up in (False, True):
         point.arm(None, 5.0)
         trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
@@ -265,12 +265,12 @@ def test_a_hold_the_executor_gave_up_on_does_not_wait_for_a_release() -> None:
         if give_up:
             point.disarm()  # what the take's answer does when its wait ran out
         else:
-            assert _answer(point, ["release"], []) == ({"ok": True}, None)
+            assert answer(point, ["release"], []) == ({"ok": True}, None)
         trainer.join(5)
         assert not trainer.is_alive()
 
-    answer, handed = _answer(point, ["take", "0.2"], [])  # no step comes: the take gives up, nothing holds later
-    assert answer["ok"] is False and "no step boundary in time" in answer["error"] and handed is None
+    reply, handed = answer(point, ["take", "0.2"], [])  # no step comes: the take gives up, nothing holds later
+    assert reply["ok"] is False and "no step boundary in time" in reply["error"] and handed is None
     trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
     trainer.start()
     trainer.join(5)
@@ -278,20 +278,18 @@ def test_a_hold_the_executor_gave_up_on_does_not_wait_for_a_release() -> None:
 
 
 def test_what_does_not_fit_in_host_memory_stays() -> None:
-    from snapguard.hooks._workload import _host_room
 
     big, small = torch.arange(4096.0), torch.arange(16.0)  # 16 KiB and one 4 KiB page of the arena
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, [small, big], room=8192)
     assert figures["state"] == "partial" and figures["bytes"] == 64 and figures["left_bytes"] == 4096 * 4, figures
     assert big.untyped_storage().nbytes() == 4096 * 4 and small.untyped_storage().nbytes() == 0
     offload.reload(torch)
     assert torch.equal(small, torch.arange(16.0))
-    assert 0 < _host_room() < 1 << 50  # this machine's real figure
+    assert 0 < host_room() < 1 << 50  # this machine's real figure
 
 
 def test_host_room_is_the_cgroups_when_that_is_less(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from snapguard.hooks._workload import _host_room
 
     (tmp_path / "self").mkdir()
     (tmp_path / "self" / "cgroup").write_text("0::/job/trainer\n")
@@ -299,9 +297,9 @@ def test_host_room_is_the_cgroups_when_that_is_less(tmp_path) -> None:  # type: 
     group.mkdir(parents=True)
     (group / "memory.max").write_text("3000000\n")
     (group / "memory.current").write_text("1000000\n")
-    assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) == 2000000
+    assert host_room(str(tmp_path / "self"), str(tmp_path / "cg")) == 2000000
     (group / "memory.max").write_text("max\n")
-    assert _host_room(str(tmp_path / "self"), str(tmp_path / "cg")) > 2000000  # MemAvailable alone
+    assert host_room(str(tmp_path / "self"), str(tmp_path / "cg")) > 2000000  # MemAvailable alone
 
 
 class _Wrapper(torch.Tensor):
@@ -322,14 +320,14 @@ class _Wrapper(torch.Tensor):
 def test_wrapper_subclasses_neither_stop_the_move_nor_hide_their_bytes() -> None:
     inner, other = torch.arange(64.0), torch.arange(16.0)
     wrapped = _Wrapper(inner)
-    figures = _Offload("cpu").take(torch, [other], [wrapped, _Wrapper(torch.arange(4.0))])
+    figures = Offload("cpu").take(torch, [other], [wrapped, _Wrapper(torch.arange(4.0))])
     assert figures["state"] == "moved" and figures["storages"] == 1, figures  # not skipped
 
     class _Opt:
         param_groups = [{"params": [wrapped]}]
         state: dict = {}
 
-    moved = _optimizer_tensors(torch, _Opt())
+    moved = optimizer_tensors(torch, _Opt())
     assert len(moved) == 1 and moved[0] is inner  # the local shard, not the wrapper
 
 
@@ -337,8 +335,8 @@ def test_an_optimizer_not_shaped_as_torchs_moves_nothing_and_raises_nothing() ->
     class _Odd:
         param_groups = ["not a dict"]
 
-    assert _optimizer_tensors(torch, _Odd()) == []
-    assert _optimizer_tensors(torch, None) == []
+    assert optimizer_tensors(torch, _Odd()) == []
+    assert optimizer_tensors(torch, None) == []
 
 
 def test_a_reload_without_a_ring_copies_plainly_and_one_after_a_failure_keeps_what_came_back(
@@ -346,21 +344,20 @@ def test_a_reload_without_a_ring_copies_plainly_and_one_after_a_failure_keeps_wh
     """The reload's ring cannot be built (no thread or mapping to spare): the plain copies bring the
     bytes back all the same. And a reload that failed part way, tried again, does not allocate again
     for the storages that already have their memory back."""
-    from snapguard.hooks import _workload
 
     a, b = torch.arange(64.0), torch.arange(32.0)
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     assert offload.take(torch, [a, b])["state"] == "moved"
 
     def no_ring(*args):  # type: ignore[no-untyped-def]
         raise RuntimeError("injected: can't start new thread")
 
-    monkeypatch.setattr(_workload, "_Ring", no_ring)
+    monkeypatch.setattr(offload_module, "Ring", no_ring)
     offload.reload(torch)
     assert torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0)) and offload.arena is None
     monkeypatch.undo()
 
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     offload.take(torch, [a, b])
     storage_b = b.untyped_storage()
     real = type(storage_b).resize_

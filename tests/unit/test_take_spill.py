@@ -1,7 +1,8 @@
 """The take point's spill: the moved bytes in a tmpfs file of the trainer's own, handed to the
 executor over the take socket (SCM_RIGHTS) and passed back with the release; the executor's side
-(`take.Spill`, `files.FileCopy`, the manifest's names). Real PyTorch on CPU storages, real unix
-sockets and files; the whole path through CRIU is tests/system/test_bare.py's take-point test."""
+(`_spill.Spill`, `files.FileCopy`, the manifest's names). Real PyTorch on CPU storages, real unix
+sockets and files; the whole path through CRIU is tests/system/test_bare.py's take-point test,
+the spill on tmpfs mounts of its own (root) tests/system/test_root_spill.py."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from snapguard import files, names  # noqa: E402
-from snapguard.hooks import take  # noqa: E402
-from snapguard.hooks._workload import _Offload, _SpillArena, _TakePoint, _serve  # noqa: E402
-from snapguard.pipeline import _spill  # noqa: E402
+from snapguard import files  # noqa: E402
+from snapguard.takepoint import client as take  # noqa: E402
+from snapguard.takepoint import protocol  # noqa: E402
+from snapguard.takepoint import spill as _spill  # noqa: E402
+from snapguard.takepoint.workload import env  # noqa: E402
+from snapguard.takepoint.workload.offload import Offload  # noqa: E402
+from snapguard.takepoint.workload.point import TakePoint  # noqa: E402
+from snapguard.takepoint.workload.ring import Ring  # noqa: E402
+from snapguard.takepoint.workload.server import answer, serve  # noqa: E402
+from snapguard.takepoint.workload.spill import SpillArena  # noqa: E402
 from snapguard.reasons import Reason, SnapguardError  # noqa: E402
 from tests.fake_proc import with_mountinfo  # noqa: E402
 
@@ -64,24 +70,23 @@ def test_a_spilled_take_leaves_the_bytes_in_its_file_and_none_mapped(shm: Path, 
     take's name), the file unmapped and its descriptor handed over; reloaded from that descriptor
     (through a ring whose slots are read again and again when small), the bytes come back exact and
     the file's name is gone."""
-    from snapguard.hooks import _workload
 
     if ring != "default":
-        monkeypatch.setattr(_workload._Ring, "SLOTS", 2)
-        monkeypatch.setattr(_workload._Ring, "SLOT_BYTES", 4096)
+        monkeypatch.setattr(Ring, "SLOTS", 2)
+        monkeypatch.setattr(Ring, "SLOT_BYTES", 4096)
     tensors = _state()
     before = [t.clone() for t in tensors]
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, tensors, spill_dir=str(shm))
     assert figures["state"] == "moved" and "spill_error" not in figures, figures
     spill = figures["spill"]
     path = Path(spill["path"])
-    assert path.parent == shm and names.TAKE_SPILL_SOURCE.fullmatch(path.name), spill
+    assert path.parent == shm and protocol.TAKE_SPILL_SOURCE.fullmatch(path.name), spill
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_size == spill["bytes"]
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
     fd = offload.spill_fd
     assert fd is not None and os.fstat(fd).st_ino == path.stat().st_ino
-    assert isinstance(offload.arena, _SpillArena) and offload.arena.map is None  # nothing of it mapped
+    assert isinstance(offload.arena, SpillArena) and offload.arena.map is None  # nothing of it mapped
     offload.reload(torch, source_fd=fd)
     os.close(fd)
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
@@ -94,7 +99,7 @@ def test_a_hold_released_without_its_file_reloads_from_its_own_name(shm: Path) -
     for passed in (None, "fifo"):
         tensors = _state()
         before = [t.clone() for t in tensors]
-        offload = _Offload("cpu")
+        offload = Offload("cpu")
         offload.take(torch, tensors, spill_dir=str(shm))
         assert offload.spill_fd is not None
         os.close(offload.spill_fd)
@@ -117,19 +122,19 @@ def test_a_spill_that_cannot_be_made_or_filled_moves_nothing_into_it(shm: Path, 
     (a full tmpfs, where a plain write into the mapping would be a SIGBUS): the take fails, every
     storage stays, the file is removed."""
     probe = os.open(tmp_path, os.O_RDONLY)
-    disk = files.fs_type(probe) != files.TMPFS_MAGIC  # a CI's /tmp may be a tmpfs
+    disk = protocol.fs_type(probe) != protocol.TMPFS_MAGIC  # a CI's /tmp may be a tmpfs
     os.close(probe)
     for where, why in ((shm / "absent", "No such file"), (tmp_path, "not a tmpfs")):
         if where == tmp_path and not disk:
             continue
         tensors = _state()
-        offload = _Offload("cpu")
+        offload = Offload("cpu")
         figures = offload.take(torch, tensors, spill_dir=str(where))
         assert figures["state"] == "moved" and why in figures["spill_error"] and "spill" not in figures, figures
         assert offload.spill_fd is None and list(shm.iterdir()) == [] and list(tmp_path.iterdir()) == []
         offload.reload(torch)
 
-    real, calls = _SpillArena.populate, []
+    real, calls = SpillArena.populate, []
 
     def full(self, host, n=None):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -137,10 +142,10 @@ def test_a_spill_that_cannot_be_made_or_filled_moves_nothing_into_it(shm: Path, 
             raise OSError(28, "injected: no space left on the tmpfs")
         return real(self, host, n)
 
-    monkeypatch.setattr(_SpillArena, "populate", full)
+    monkeypatch.setattr(SpillArena, "populate", full)
     tensors = _state()
     before = [t.clone() for t in tensors]
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, tensors, spill_dir=str(shm))
     assert figures["state"] == "failed" and "injected" in figures["error"], figures
     assert offload.spill_fd is None and offload.moved == [] and list(shm.iterdir()) == []
@@ -150,13 +155,13 @@ def test_a_spill_that_cannot_be_made_or_filled_moves_nothing_into_it(shm: Path, 
 def test_the_take_socket_hands_the_file_over_and_the_release_brings_it_back(shm: Path, tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a real unix socket: `take <s> spill` is answered with the figures and the file's
-    descriptor (the trainer's own closed before the answer ends), which `take.Spill.received`
+    descriptor (the trainer's own closed before the answer ends), which `_spill.Spill.received`
     accepts; a release that passes it back lets the trainer reload its optimizer from it, and
     the trainer's step goes on with its state exact. A take without `spill` hands nothing over."""
     model, opt = _stepped_trainer(monkeypatch, shm, 64)
     saved = [p.detach().clone() for p in model.parameters()] + \
         [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    point = _TakePoint()
+    point = TakePoint()
     path = _served(point, tmp_path)
     assert take._ask(path, "status\n", 5)["spill"] is True
     for spill in (True, False):
@@ -175,7 +180,7 @@ def test_the_take_socket_hands_the_file_over_and_the_release_brings_it_back(shm:
         reply, fds = asked["reply"], asked["fds"]
         assert isinstance(reply, dict) and isinstance(fds, list) and reply["ok"], reply
         if spill:
-            got = take.Spill.received(os.getpid(), reply, fds)
+            got = _spill.Spill.received(os.getpid(), reply, fds)
             assert got is not None and os.fstat(got.fd).st_size == reply["offload"]["spill"]["bytes"]
             assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
             # the trainer holds no descriptor of it any more: only the name and ours
@@ -219,11 +224,11 @@ def test_an_answer_whose_file_does_not_match_it_is_refused_and_its_descriptors_c
                                         "spill": {"path": path, "bytes": size}}}
 
     fd = _fd_of(shm, name, 8192)
-    spill = take.Spill.received(7, answer(), [fd])
+    spill = _spill.Spill.received(7, answer(), [fd])
     assert spill is not None and spill.fd == fd and os.get_inheritable(fd) is False
     spill.close()
-    assert take.Spill.received(7, {"ok": True, "offload": {"state": "moved"}}, []) is None
-    assert take.Spill.received(7, {"ok": True}, [], asked=False) is None
+    assert _spill.Spill.received(7, {"ok": True, "offload": {"state": "moved"}}, []) is None
+    assert _spill.Spill.received(7, {"ok": True}, [], asked=False) is None
     cases = [
         (answer(size=4096), "a size that is not the file's"),
         (answer(path="/etc/passwd"), "not the take point's name"),
@@ -244,45 +249,45 @@ def test_an_answer_whose_file_does_not_match_it_is_refused_and_its_descriptors_c
         if why == "two descriptors":
             fds.append(_fd_of(shm, "other", 10))
         with pytest.raises(ValueError):
-            take.Spill.received(7, reply, fds, asked=why != "not asked")
+            _spill.Spill.received(7, reply, fds, asked=why != "not asked")
         for n in fds:
             with pytest.raises(OSError):
                 os.fstat(n)  # closed
     r, w = os.pipe()
     os.close(w)
     with pytest.raises(ValueError):
-        take.Spill.received(7, answer(), [r])
+        _spill.Spill.received(7, answer(), [r])
     # the name the answer gives is another file than the descriptor's (same size, same place):
     # what the executor would journal and remove by that name is not the spill
     other = _fd_of(shm, f"{name}-handed", 8192)
     with pytest.raises(ValueError, match="does not name the descriptor's file"):
-        take.Spill.received(7, answer(), [other])
+        _spill.Spill.received(7, answer(), [other])
     (shm / f"{name}-handed").unlink()
     # a container's answer: its directory as it names it, mapped to the directory here; a spill
     # anywhere else in the container is refused
     moved_in = _fd_of(shm, name, 8192)
-    spill = take.Spill.received(7, answer(path=f"/run/snapguard-spill/{name}"), [moved_in],
+    spill = _spill.Spill.received(7, answer(path=f"/run/snapguard-spill/{name}"), [moved_in],
                                 where=("/run/snapguard-spill", str(shm)))
     assert spill is not None and spill.path == str(shm / name)
     spill.close()
     with pytest.raises(ValueError, match="in /run/snapguard-spill"):
-        take.Spill.received(7, answer(path=f"/dev/shm/{name}"), [_fd_of(shm, name, 8192)],
+        _spill.Spill.received(7, answer(path=f"/dev/shm/{name}"), [_fd_of(shm, name, 8192)],
                             where=("/run/snapguard-spill", str(shm)))
     (shm / name).unlink()
     sparse = os.open(shm / name, os.O_RDWR | os.O_CREAT)
     os.ftruncate(sparse, 8192)  # the size, but no bytes in it
     with pytest.raises(ValueError, match="holding"):
-        take.Spill.received(7, answer(), [sparse])
+        _spill.Spill.received(7, answer(), [sparse])
     probe = os.open(tmp_path, os.O_RDONLY)
-    disk = files.fs_type(probe) != files.TMPFS_MAGIC
+    disk = protocol.fs_type(probe) != protocol.TMPFS_MAGIC
     os.close(probe)
     if not disk:
         pytest.skip("the test directory is on a tmpfs: the refusal of a file not in memory is not checked here")
     (tmp_path / name).write_bytes(b"x" * 8192)  # a file that is not in memory (a FUSE file's reads could hang)
     with pytest.raises(ValueError, match="not on a tmpfs"):  # named as in memory, handed over from the disk
-        take.Spill.received(7, answer(), [os.open(tmp_path / name, os.O_RDONLY)])
+        _spill.Spill.received(7, answer(), [os.open(tmp_path / name, os.O_RDONLY)])
     with pytest.raises(ValueError, match="is not one the take point makes"):  # named outside any tmpfs
-        take.Spill.received(7, answer(path=str(tmp_path / name)), [_fd_of(shm, f"{name}x", 8192)])
+        _spill.Spill.received(7, answer(path=str(tmp_path / name)), [_fd_of(shm, f"{name}x", 8192)])
 
 
 def test_the_executor_removes_only_the_trainers_own_file_by_its_name(shm: Path) -> None:
@@ -291,7 +296,7 @@ def test_the_executor_removes_only_the_trainers_own_file_by_its_name(shm: Path) 
     (a link, or another file of anyone's) stays."""
     name = "snapguard-take-9-0123456789abcdef"
     fd = _fd_of(shm, name, 4096)
-    spill = take.Spill(9, fd, str(shm / name), 4096)
+    spill = _spill.Spill(9, fd, str(shm / name), 4096)
     assert not spill.remove_source(os.getuid() + 1)  # someone else's
     assert not spill.remove_source(None)
     os.rename(shm / name, shm / "moved-away")
@@ -385,11 +390,10 @@ def test_a_manifest_names_a_spill_only_as_snapguard_writes_it(tmp_path: Path) ->
 
 def test_a_request_carries_at_most_its_descriptors_to_the_take_point() -> None:
     """Descriptors sent with anything but a release are closed by the take point, not kept."""
-    from snapguard.hooks._workload import _answer
 
-    point = _TakePoint()
+    point = TakePoint()
     r, w = os.pipe()
-    reply, handed = _answer(point, ["status"], [r])
+    reply, handed = answer(point, ["status"], [r])
     assert reply["ok"] and handed is None
     with pytest.raises(OSError):
         os.fstat(r)
@@ -400,7 +404,7 @@ def test_a_release_counts_only_for_the_hold_under_way() -> None:
     """A release that comes when no hold is under way (its hold ended by itself) gives the take
     point nothing to keep: a later hold would reload older bytes from it. A new take drops one
     that is left."""
-    point = _TakePoint()
+    point = TakePoint()
     r, w = os.pipe()
     point.release([r])
     assert point.release_fd is None
@@ -429,12 +433,11 @@ def test_a_spilled_hold_whose_file_name_is_gone_waits_for_its_release(shm: Path,
     none), the trainer cannot go on without the release's file and waits for it, instead of
     failing: a trainer restored long after its hold began (its wait's deadline long past on the
     clock of the node it is restored on) is released normally."""
-    from snapguard.hooks import _workload
 
-    monkeypatch.setattr(_workload, "_HOLD_S", 0.2)
+    monkeypatch.setattr(env, "HOLD_S", 0.2)
     model, opt = _stepped_trainer(monkeypatch, shm, 32)
     saved = [p.detach().clone() for p in model.parameters()]
-    point = _TakePoint()
+    point = TakePoint()
     point.arm(None, 5.0, spill=True)
     trainer = threading.Thread(target=point.at_step_end, args=(opt, (), {}))
     trainer.start()
@@ -460,9 +463,9 @@ def test_the_executor_never_follows_a_link_on_the_way_to_the_name_it_removes(shm
     fd = _fd_of(shm / "real", name, 4096)
     os.symlink(shm / "real", shm / "link")
     for path in (str(shm / "link" / name), f"real/{name}"):
-        assert not take.Spill(9, fd, path, 4096).remove_source(os.getuid())
+        assert not _spill.Spill(9, fd, path, 4096).remove_source(os.getuid())
         assert (shm / "real" / name).exists()
-    spill = take.Spill(9, fd, str(shm / "real" / name), 4096)
+    spill = _spill.Spill(9, fd, str(shm / "real" / name), 4096)
     assert spill.remove_source(os.getuid()) and not (shm / "real" / name).exists()
     spill.close()
 
@@ -474,13 +477,13 @@ def test_a_partial_spilled_take_keeps_its_moved_bytes_in_one_run_from_the_start(
     import time
 
     small, large = torch.arange(16.0), torch.empty(64 << 20)  # 256 MiB after it, largest first: large, small
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     figures = offload.take(torch, [small, large], deadline=time.monotonic() + 0.25, spill_dir=str(shm))
     assert figures["state"] == "partial" and figures["storages"] == 0 and "spill" not in figures, figures
     assert offload.spill_fd is None and list(shm.iterdir()) == []
     offload.reload(torch)
     # the cut: a spill handed over ends at its last moved byte
-    arena = _SpillArena(torch, 3 * 4096, str(shm))
+    arena = SpillArena(torch, 3 * 4096, str(shm))
     arena.bytes[:4096] = 7
     fd = arena.handover(4096)
     assert fd is not None and os.fstat(fd).st_size == 4096 == arena.size and arena.map is None
@@ -496,7 +499,7 @@ def test_no_room_for_the_spills_in_the_image_is_found_before_anything_is_frozen(
     trainers held, nothing frozen yet), typed IMAGE_WRITE_FAILED, no file made, the spill's own
     name left for its trainer."""
     name = "snapguard-take-7-0123456789abcdef"
-    spill = take.Spill(7, _fd_of(shm, name, 8192), str(shm / name), 8192)
+    spill = _spill.Spill(7, _fd_of(shm, name, 8192), str(shm / name), 8192)
     figures = {7: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
     real = os.fstatvfs
 
@@ -519,7 +522,7 @@ def test_a_spills_name_goes_with_its_trainer_and_stays_while_it_lives(shm: Path,
     for ended in (False, True):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
         name = f"snapguard-take-{child.pid}-0123456789abcdef"
-        spill = take.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
+        spill = _spill.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
         figures = {child.pid: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
         image_dir = tmp_path / f"img-{ended}"
         image_dir.mkdir()
@@ -548,7 +551,7 @@ def test_an_executor_that_dies_leaves_its_spills_to_the_next_sweep(shm: Path, tm
     child = _trainer_child(30)
     try:
         name = f"snapguard-take-{child.pid}-0123456789abcdef"
-        spill = take.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
+        spill = _spill.Spill(child.pid, _fd_of(shm, name, 8192), str(shm / name), 8192)
         figures = {child.pid: {"offload": {"spill": {"path": spill.path, "bytes": 8192}}}}
         _spill.SpillCopies(str(image), {child.pid: spill}, figures, str(journal))  # never closed: it "died"
         records = list(journal.iterdir())
@@ -567,7 +570,7 @@ def test_an_executor_that_dies_leaves_its_spills_to_the_next_sweep(shm: Path, tm
     alive = _trainer_child(30)
     try:
         name = f"snapguard-take-{alive.pid}-fedcba9876543210"
-        spill = take.Spill(alive.pid, _fd_of(shm, name, 4096), str(shm / name), 4096)
+        spill = _spill.Spill(alive.pid, _fd_of(shm, name, 4096), str(shm / name), 4096)
         copies = _spill.SpillCopies(str(tmp_path / "img"), {alive.pid: spill},
                                     {alive.pid: {"offload": {"spill": {}}}}, str(journal))
         copies.close()  # the trainer lives: the record stays with its name
@@ -673,9 +676,9 @@ def test_a_sweep_acts_only_on_records_as_snapguard_writes_them(shm: Path, tmp_pa
     assert _spill.sweep(str(journal)) == [str(victim)] and not victim.exists()
 
 
-def _served(point: _TakePoint, tmp_path: Path) -> str:
+def _served(point: TakePoint, tmp_path: Path) -> str:
     path = str(tmp_path / "take.sock")
-    threading.Thread(target=_serve, args=(path, point), daemon=True).start()
+    threading.Thread(target=serve, args=(path, point), daemon=True).start()
     for _ in range(200):
         if os.path.exists(path):
             break
@@ -692,22 +695,21 @@ def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot
     the snapshot go on without the hold (TAKE_POINT_TIMEOUT); when that takes longer than the wait
     again, it refuses the snapshot before anything is frozen. Either way the trainer's state comes
     back exact and no spill is left behind."""
-    from snapguard.hooks import _workload
 
     model, opt = _stepped_trainer(monkeypatch, shm, 64)
     saved = [p.detach().clone() for p in model.parameters()]
-    real_take = _workload._Offload.take
-    point = _TakePoint()
+    real_take = Offload.take
+    point = TakePoint()
     busy_while_moving = threading.Event()
 
-    def slow_take(self: _Offload, *args: object, **kwargs: object) -> object:
+    def slow_take(self: Offload, *args: object, **kwargs: object) -> object:
         figures = real_take(self, *args, **kwargs)  # type: ignore[arg-type]
         if point.spill_busy and "spill" in figures:
             busy_while_moving.set()
         threading.Event().wait(move_s)
         return figures
 
-    monkeypatch.setattr(_workload._Offload, "take", slow_take)
+    monkeypatch.setattr(Offload, "take", slow_take)
     path = _served(point, tmp_path)
     wait_s = 2.0
 
@@ -718,7 +720,7 @@ def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot
 
     t = threading.Thread(target=trainer)
     t.start()
-    spills: dict[int, take.Spill] = {}
+    spills: dict[int, _spill.Spill] = {}
     try:
         if move_s < 2 * wait_s:  # over within the executor's second wait
             figures, warning = take._hold_one(path, os.getpid(), wait_s, True, None, spills)
@@ -742,109 +744,13 @@ def test_a_hold_begun_after_the_executor_stopped_waiting_moves_nothing(shm: Path
     snapshot goes on without the hold, so nothing is moved (a second copy of it in the image, or
     a spill's file outside it) and no spill is made."""
     model, opt = _stepped_trainer(monkeypatch, shm, 64)
-    point = _TakePoint()
+    point = TakePoint()
     point.arm(None, 5.0, spill=True)
     point.disarm()
     point._hold(opt)
     assert "offload" not in point.figures and point.spill_busy is False
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
     assert list(shm.iterdir()) == []
-
-
-@contextmanager
-def _tmpfs(target: Path, huge: str) -> Iterator[Path]:
-    """A tmpfs mounted on `target` with huge=`huge`, mode 1777, as a node mounts its spill tmpfs."""
-    import ctypes
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (the README's test command runs as root)")
-    if not os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
-        pytest.skip("this kernel has no transparent huge pages: a tmpfs cannot be mounted huge=")
-    target.mkdir()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"snapguard-test", str(target).encode(), b"tmpfs", 0,
-                  f"size=512m,huge={huge},mode=1777".encode()) != 0:
-        raise OSError(ctypes.get_errno(), f"mount tmpfs on {target}")
-    try:
-        yield target
-    finally:
-        libc.umount2(str(target).encode(), 2)  # MNT_DETACH
-
-
-@pytest.fixture
-def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs mounted as a node mounts names.SPILL_TMPFS: huge=within_size."""
-    with _tmpfs(tmp_path / "spill-tmpfs", "within_size") as target:
-        yield target
-
-
-def _shmem_huge_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("ShmemHugePages:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no ShmemHugePages in /proc/meminfo")
-
-
-def test_a_spill_on_a_huge_page_tmpfs_gets_huge_pages_and_on_dev_shm_none(huge_tmpfs: Path, shm: Path,
-                                                                          tmp_path: Path) -> None:
-    """A tmpfs mounted huge=within_size (the node's names.SPILL_TMPFS) gives the spill huge
-    pages, 2 MiB a fault instead of 4 KiB (bench/spill_fill.py measures the fill); one mounted
-    huge=advise gives them because the spill's mapping asks; /dev/shm as distributions mount it
-    (no huge=) gives none, unless the node's shmem_enabled is "force". The bytes come back exact
-    each time."""
-    forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    with _tmpfs(tmp_path / "advise", "advise") as advise:
-        _huge_pages_or_none([(huge_tmpfs, True), (advise, True), (shm, forced)])
-
-
-def _huge_pages_or_none(where: list[tuple[Path, bool]]) -> None:
-    for directory, huge in where:
-        torch.manual_seed(5)
-        tensors = [torch.randn(8 << 20), torch.randn(4 << 20)]  # 48 MiB
-        before = [t.clone() for t in tensors]
-        offload = _Offload("cpu")
-        shmem_huge = _shmem_huge_bytes()
-        figures = offload.take(torch, tensors, spill_dir=str(directory))
-        assert figures["state"] == "moved" and Path(figures["spill"]["path"]).parent == directory, figures
-        grown = _shmem_huge_bytes() - shmem_huge
-        if huge:
-            assert grown >= 40 << 20, f"{grown} bytes of huge pages for a 48 MiB spill"
-        else:
-            assert grown == 0, f"{grown} bytes of huge pages on a tmpfs mounted without huge="
-        fd = offload.spill_fd
-        assert fd is not None
-        offload.reload(torch, source_fd=fd)
-        os.close(fd)
-        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
-        assert list(directory.iterdir()) == []
-
-
-def test_a_trainer_spills_where_it_is_told_else_on_the_nodes_spill_tmpfs_else_dev_shm(
-        huge_tmpfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SNAPGUARD_TAKE_SPILL_DIR first; else names.SPILL_TMPFS when a tmpfs is mounted there (not
-    when it is missing, a directory on a disk or a directory of a tmpfs mounted above it); else
-    /dev/shm. `snapguard preflight --node` reports the
-    same choice, and whether its tmpfs gives huge pages."""
-    from snapguard import names as names_module
-    from snapguard.hooks import _workload
-    from snapguard.preflight import host
-
-    monkeypatch.delenv("SNAPGUARD_TAKE_SPILL_DIR", raising=False)
-    monkeypatch.delenv("SNAPGUARD_TAKE_SPILL", raising=False)
-    plain = huge_tmpfs / "plain"  # a directory of a tmpfs, as one left on /run by a mount that failed
-    plain.mkdir(mode=0o1777)
-    for where, expected in ((str(huge_tmpfs), str(huge_tmpfs)), (str(tmp_path), "/dev/shm"),
-                            (str(tmp_path / "missing"), "/dev/shm"), (str(plain), "/dev/shm")):
-        monkeypatch.setattr(names_module, "SPILL_TMPFS", where)
-        monkeypatch.setattr(host, "SPILL_TMPFS", where)
-        assert _workload._spill_dir() == expected
-        fact = host.spill_tmpfs()
-        assert fact["dir"] == expected and fact["huge_pages"] is (expected == str(huge_tmpfs)), fact
-        assert ("hint" in fact) is not fact["huge_pages"]
-    monkeypatch.setenv("SNAPGUARD_TAKE_SPILL_DIR", str(tmp_path))
-    assert _workload._spill_dir() == str(tmp_path)
-    monkeypatch.setenv("SNAPGUARD_TAKE_SPILL", "0")
-    assert _workload._spill_dir() is None
 
 
 def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path) -> None:
@@ -863,22 +769,22 @@ def test_root_looks_up_a_trainers_spill_path_only_through_a_tmpfs(tmp_path: Path
 
     with procfs.using_procfs(str(root)):
         assert procfs.mounts_on_path("/dev/shm/fuse/t")[-1]["fstype"] == "tmpfs"  # type: ignore[index]
-        assert take.in_tmpfs_dir("/dev/shm/snapguard-take-9-0123456789abcdef")
+        assert _spill.in_tmpfs_dir("/dev/shm/snapguard-take-9-0123456789abcdef")
         for path in ("/dev/shm/fuse/t/snapguard-take-9-0123456789abcdef",  # through FUSE
                      "/home/u/snapguard-take-9-0123456789abcdef", "/snapguard-take-9-0123456789abcdef",
                      "/dev/shm/../shm/snapguard-take-9-0123456789abcdef", "dev/shm/snapguard-take-9-0123456789abcdef"):
-            assert not take.in_tmpfs_dir(path), path
-            assert not take.remove_spill_name(path, 1, 2, 0, dry_run=True)
+            assert not _spill.in_tmpfs_dir(path), path
+            assert not _spill.remove_spill_name(path, 1, 2, 0, dry_run=True)
     disk = Path(tempfile.mkdtemp(prefix="snapguard-test-", dir="/var/tmp"))
     try:
         fd = os.open(disk, os.O_RDONLY)
-        on_tmpfs = files.fs_type(fd) == files.TMPFS_MAGIC
+        on_tmpfs = protocol.fs_type(fd) == protocol.TMPFS_MAGIC
         os.close(fd)
         if not on_tmpfs:  # a real disk file of the right name, owner and inode: left alone
             victim = disk / "snapguard-take-9-0123456789abcdef"
             victim.write_bytes(b"x")
             st = victim.stat()
-            assert not take.remove_spill_name(str(victim), st.st_dev, st.st_ino, st.st_uid)
+            assert not _spill.remove_spill_name(str(victim), st.st_dev, st.st_ino, st.st_uid)
             assert victim.exists()
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -925,12 +831,12 @@ def test_spill_dirs_are_the_hosts_own_or_a_containers_bind_of_a_host_tmpfs(tmp_p
                  23: {"spill": False, "spill_dir": str(shm)},
                  24: {"spill": True, "spill_dir": str(shm) + "/"}}
         with procfs.using_procfs(str(root)):
-            assert take.spill_dirs(found, containers=True) == {10: (str(shm), str(shm)), 11: None,
+            assert _spill.spill_dirs(found, containers=True) == {10: (str(shm), str(shm)), 11: None,
                                                                20: (str(shm), str(shm))}
-            assert take.spill_dirs(found, containers=False) == {10: (str(shm), str(shm)), 11: None}
+            assert _spill.spill_dirs(found, containers=False) == {10: (str(shm), str(shm)), 11: None}
             # the source of the bind removed: the kernel's "//deleted" root maps to nothing
             (root / "20" / "mountinfo").write_text(f"101 100 {spill_dev} {rel}//deleted {shm} rw - tmpfs shm rw\n")
-            assert 20 not in take.spill_dirs(found, containers=True)
+            assert 20 not in _spill.spill_dirs(found, containers=True)
     finally:
         shutil.rmtree(other, ignore_errors=True)
 
@@ -941,7 +847,10 @@ def test_a_restored_containers_spills_go_to_their_trainers_by_the_pid_each_sees(
     (`processes[].nspid`). A trainer not found in the restored tree, or two spills landing on one
     process, refuse the release (CRIU_RESTORE_FAILED) rather than give one trainer another's
     bytes. Real processes (in this namespace a process's pid is the one it sees)."""
-    from snapguard.pipeline._sequence import _by_restored_pid
+    from snapguard.pipeline.restore import _by_restored_pid as _by_recorded
+
+    def _by_restored_pid(wanted: dict, manifest: dict, root_pid: int) -> dict:  # the processes as the manifest reads them
+        return _by_recorded(wanted, {p["pid"]: p.get("nspid", p["pid"]) for p in manifest["processes"]}, root_pid)
 
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
     try:

@@ -1,8 +1,9 @@
-"""snapguard's take point, loaded at interpreter start through PYTHONPATH (see snapguard.hooks).
+"""snapguard's take point, loaded at interpreter start through PYTHONPATH (see snapguard.takepoint).
 
-With SNAPGUARD_TAKE_DIR set it starts the take point, which (unless SNAPGUARD_RESOLVE_BLOCKERS=0)
-also registers the fork handler that drops inherited GPU handles in forked children and watches
-torch.compile's worker pool (snapguard.hooks._workload).
+With the take point's directory set in the environment (protocol.TAKE_DIR_ENV) it starts the take
+point, which (unless protocol.RESOLVE_ENV is 0) also registers the fork handler that drops
+inherited GPU handles in forked children and watches torch.compile's worker pool
+(snapguard.takepoint.workload).
 
 Python imports one `sitecustomize`: the first on sys.path. This one, first through PYTHONPATH,
 would hide the distribution's, a venv's or the workload's own, so it runs that one after itself.
@@ -14,11 +15,22 @@ import sys
 
 def _start_take_point() -> None:
     try:
-        from snapguard.hooks import start_in_workload
+        from snapguard.takepoint import TAKE_DIR_ENV, start
 
-        start_in_workload(os.environ["SNAPGUARD_TAKE_DIR"])
+        start(os.environ[TAKE_DIR_ENV])
     except Exception as e:  # the trainer must start even when the hook cannot
         print(f"snapguard take point disabled: {e}", file=sys.stderr)
+
+
+def _wanted() -> bool:
+    """Whether the take point's directory is set in the environment (snapguard.takepoint.protocol
+    names the variable: it alone is imported, the standard library's modules aside); True when
+    snapguard cannot be imported, so that `_start_take_point` says why."""
+    try:
+        from snapguard.takepoint.protocol import TAKE_DIR_ENV
+    except Exception:
+        return True
+    return bool(os.environ.get(TAKE_DIR_ENV))
 
 
 def _chain() -> None:
@@ -38,6 +50,6 @@ def _chain() -> None:
         print(f"Error in sitecustomize (chained by snapguard); {type(e).__name__}: {e}", file=sys.stderr)
 
 
-if os.environ.get("SNAPGUARD_TAKE_DIR"):
+if _wanted():
     _start_take_point()
 _chain()
