@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .. import procfs
 from ..children import probe
 from ..files import ensure_private_dir, write_private_json
 from ..names import DUMP_LOG, RESTORE_LOG
@@ -74,11 +75,7 @@ def version(criu: str) -> tuple[int, int, int]:
 
 def _check_cache_key(criu: str) -> str:
     st = os.stat(criu)
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = ""
+    boot_id = procfs.boot_id() or ""
     raw = f"{os.path.realpath(criu)}:{st.st_size}:{st.st_mtime_ns}:{os.uname().release}:{boot_id}"
     return hashlib.sha256(raw.encode()).hexdigest()
 

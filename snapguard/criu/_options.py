@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..devicemap import DeviceMap
 from ..wire import BROKER_ENV
 
 __all__ = ["CriuOptions", "RunDir", "SYSTEM_PATH"]
@@ -21,7 +23,7 @@ __all__ = ["CriuOptions", "RunDir", "SYSTEM_PATH"]
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A preload or an audit library in the caller's environment would run inside CRIU, as root; the
 # device map and the executor's cuda-checkpoint broker are snapguard's to set, never inherited.
-_DROPPED_ENV = ("LD_PRELOAD", "LD_AUDIT", "SNAPGUARD_DEVICE_MAP", BROKER_ENV, "CRIU_CONFIG_FILE", "CRIU_LIBS_DIR")
+_DROPPED_ENV = ("LD_PRELOAD", "LD_AUDIT", DeviceMap.ENV, BROKER_ENV, "CRIU_CONFIG_FILE", "CRIU_LIBS_DIR")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class RunDir:
         self.config_file = os.path.join(self.path, "criu.conf")
         self._write = write_private_bytes
 
-    def environment(self, options: CriuOptions, device_map: list[tuple[str, str]] | None = None,
+    def environment(self, options: CriuOptions, device_map: Iterable[tuple[str, str]] | None = None,
                     base: dict[str, str] | None = None) -> dict[str, str]:
         """The environment runc or CRIU runs in. The caller's environment (containerd's) otherwise
         stays: LD_LIBRARY_PATH is how a CRIU carried with its own libraries runs."""
@@ -98,7 +100,7 @@ class RunDir:
                     "CRIU_CONFIG_FILE": self.config_file})
         if device_map:
             # CRIU's plugin runs `cuda-checkpoint --action restore` with no map; snapguard's reads this
-            env["SNAPGUARD_DEVICE_MAP"] = ",".join(f"{old}={new}" for old, new in device_map)
+            DeviceMap(tuple(device_map)).into_env(env)
         return env
 
     def remove(self) -> None:

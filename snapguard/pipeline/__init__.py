@@ -4,6 +4,11 @@ Entry points map their flags onto a `Request` and pick a runner: `RuncRunner` wh
 runs CRIU for a container (snapguard-runc), `CriuRunner` when snapguard runs CRIU on a bare
 process tree (`snapguard checkpoint/restore`). `checkpoint_pid` and `restore_images` are the bare
 path in one call, for programs (the lab's drills) that snapshot processes they started.
+
+The two verbs are `checkpoint` and `restore`, each in a module of its own; `scopes` holds what
+they hold while they run (each a context manager, entered in one ExitStack), `_steps` times each
+step and types its errors, `_devices` resolves a restore's GPU device map, `_remote` fetches and
+fences an image from a store before the restore.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from ._request import Timeouts as Timeouts
 from ._runners import CriuRunner as CriuRunner
 from ._runners import Runner as Runner
 from ._runners import RuncRunner as RuncRunner
-from ._sequence import FRESH_HOST_CHECKS as FRESH_HOST_CHECKS
-from ._sequence import checkpoint as checkpoint
-from ._sequence import restore as restore
+from .checkpoint import FRESH_HOST_CHECKS as FRESH_HOST_CHECKS
+from .checkpoint import checkpoint as checkpoint
+from .restore import restore as restore
 from ._remote import Fetched as Fetched
 from ._remote import fetch_fenced as fetch_fenced
 from ._remote import mark_fallback as mark_fallback

@@ -23,10 +23,11 @@ from typing import Any, TextIO
 
 from .. import preflight
 from ..config import Config
+from ..devicemap import DeviceMap
 from ..reasons import Reason, SnapguardError
 from ._request import Request, Timeouts
 from ._runners import CriuRunner
-from ._sequence import restore
+from .restore import restore
 
 __all__ = ["Fetched", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore_from"]
 
@@ -222,7 +223,7 @@ def mark_fallback(e: SnapguardError, job: str | None, fallback: str | None) -> N
 
 def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
                  images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
-                 device_map: tuple[tuple[str, str], ...] | None = None,
+                 device_map: DeviceMap | None = None,
                  progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Fetch, fence and restore a bare process tree (`fetch_fenced`, the host checks running
     meanwhile, then the one restore sequence, which reads the image once more only for what was

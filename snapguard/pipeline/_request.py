@@ -1,7 +1,7 @@
 """What a snapshot or a restore is asked to do: the one options object both entry points fill.
 
 `snapguard-runc checkpoint/restore` and `snapguard checkpoint/restore` only map their flags onto
-a Request (runc's counterpart is CriuOpts); the sequence in `_sequence` reads nothing else.
+a Request (runc's counterpart is CriuOpts); `checkpoint` and `restore` read nothing else.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..config import Config
+from ..devicemap import DeviceMap
 
 __all__ = ["NETWORK_LOCKS", "Request", "Timeouts"]
 
@@ -43,7 +44,7 @@ class Request:
     leave_running: bool = False
     tcp_established: bool = False
     network_lock: str = "auto"  # auto: skip when nothing outside the tree can reach it, else CRIU's default
-    device_map: tuple[tuple[str, str], ...] | None = None  # restore: None derives it from the manifest
+    device_map: DeviceMap | None = None  # restore: None derives it from the manifest
     # restore: (name, sha256, st_dev, st_ino) of files whose digests were computed as they were
     # written into a private directory (a store's pull): not read a second time
     verified_digests: tuple[tuple[str, str, int, int], ...] = ()

@@ -3,7 +3,7 @@
 `RuncRunner` (snapguard-runc): the real runc runs CRIU (`criu swrk`), with containerd's argv
 unchanged but for the pinned CRIU; the container's pid comes from `runc state`. `CriuRunner`
 (snapguard checkpoint/restore): snapguard runs `criu dump/restore` itself on a bare process tree.
-Everything else, before and after, is the one sequence in `_sequence`.
+Everything else, before and after, is the one sequence of `checkpoint` or `restore`.
 """
 
 from __future__ import annotations

@@ -33,12 +33,13 @@ from ._report import EXIT_UNCHECKED as EXIT_UNCHECKED
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._report import check_error_message as check_error_message
+from .facts import HostFacts as HostFacts
 from .workload import run_checks as workload_checks
 
 T = TypeVar("T")
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
-           "HostChecks", "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
+           "HostChecks", "HostFacts", "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
            "host_checks_ahead", "manifest_report", "node_report", "pid_report", "workload_checks"]
 
 
@@ -48,7 +49,7 @@ def _host_plan(report: Report, config: Config, gpu_required: bool, criu: str,
     and the config, the check)."""
     return [
         ("privileges", (), host.check_privileges),
-        ("criu", (criu,), lambda: host.check_criu(criu, config.state_dir, report.facts)),
+        ("criu", (criu,), report.host.noting(lambda facts: host.check_criu(criu, config.state_dir, facts))),
         *([("network-lock", (), host.check_network_lock)] if network_lock else []),
         ("cuda-plugin", (gpu_required,), lambda: host.check_cuda_plugin(config, gpu_required)),
         ("nvidia-driver", (), lambda: _driver_checks(report)),
@@ -95,37 +96,38 @@ def host_checks_ahead(config: Config, criu: str | None = None, gpu_required: boo
     need otherwise. `leave`: checks not run (the caller would not reuse them)."""
     t = time.monotonic()
     report = Report("--host")
-    report.facts["host"] = procfs.host_facts()
+    report.host.update({"host": procfs.host_facts()})
     gpu_required = os.path.exists(gpu.NVIDIA_DRIVER) if gpu_required is None else gpu_required
     results = []
     for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
         if name in leave:
             continue
-        before = dict(report.facts)
+        before = report.host.to_dict()
         report.run(name, check)
-        left = {k: v for k, v in report.facts.items() if k not in before or before[k] is not v}
+        left = {k: v for k, v in report.host.to_dict().items() if k not in before or before[k] is not v}
         results.append((name, key, report.checks[-1], left))
-    return HostChecks(config.as_dict(), report.facts["host"], tuple(results), time.monotonic() - t, started=t)
+    assert report.host.host is not None
+    return HostChecks(config.as_dict(), report.host.host, tuple(results), time.monotonic() - t, started=t)
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
                 network_lock: bool = True, ahead: HostChecks | None = None) -> None:
     """The checks every snapshot and restore needs from the host; `criu` overrides the pinned one.
     `network_lock`: CRIU will lock the network with iptables (a namespace of the tree's own, or
-    connections to the outside). Leaves the GPU inventory in `report.facts["gpu"]` (NVML is read
+    connections to the outside). Leaves the GPU inventory in `report.host.gpu` (NVML is read
     once per run; the process model takes the CUDA pids from it). `ahead`: results of
     `host_checks_ahead` under the same config, taken where a check's inputs match, in the same
     order; the checks it has no matching result for run now."""
     if ahead is not None and not ahead.made_under(config):
         ahead = None
-    report.facts["host"] = dict(ahead.host) if ahead is not None else procfs.host_facts()
+    report.host.update({"host": dict(ahead.host) if ahead is not None else procfs.host_facts()})
     for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
         done = ahead.result(name, key) if ahead is not None else None
         if done is None:
             report.run(name, check)
         else:
             report.checks.append(done[0])
-            report.facts.update(done[1])
+            report.host.update(done[1])
 
 
 NVML_DEADLINE_S = 30.0
@@ -156,7 +158,8 @@ def _within(deadline_s: float, what: str, fn: Callable[[], T]) -> T:
 
 
 def _driver_checks(report: Report) -> list[Finding]:
-    report.facts["gpu"] = facts = _within(NVML_DEADLINE_S, "NVML (the GPU inventory)", gpu.gpu_facts)
+    facts = _within(NVML_DEADLINE_S, "NVML (the GPU inventory)", gpu.gpu_facts)
+    report.host.update({"gpu": facts})
     if facts is None:
         return []  # no NVIDIA driver: nothing to check, and nothing of the driver API to load
     from ..cuda import find_libcuda
@@ -183,12 +186,13 @@ def node_report(config: Config, require: tuple[str, ...] | list[str] | None = No
                              f"known: {', '.join(CAPABILITY_NAMES)}")
     report = Report("--node", required=required)
     host_checks(report, config, gpu_required=os.path.exists(gpu.NVIDIA_DRIVER))
-    report.run("runc", lambda: host.check_runc(config.runc, report.facts))
-    report.run("runtime-versions", lambda: host.check_runtime_versions(config.runc, config.state_dir, report.facts))
-    report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.facts.get("gpu")))
-    report.facts["spill"] = host.spill_tmpfs()
+    report.run("runc", report.host.noting(lambda facts: host.check_runc(config.runc, facts)))
+    report.run("runtime-versions", report.host.noting(
+        lambda facts: host.check_runtime_versions(config.runc, config.state_dir, facts)))
+    report.run("gpu-handles", lambda: gpu.check_gpu_handles(report.host.gpu))
+    report.host.update({"spill": host.spill_tmpfs()})
     driver = next(c for c in report.checks if c.name == "nvidia-driver")
-    if not driver.error and report.facts.get("gpu") is None:
+    if not driver.error and report.host.gpu is None:
         report.capability_blockers["gpu"] = [Finding(
             Reason.GPU_DRIVER_MISSING, f"no NVIDIA driver is loaded on this node ({gpu.NVIDIA_DRIVER} is absent)",
             evidence={"path": gpu.NVIDIA_DRIVER})]
@@ -196,7 +200,7 @@ def node_report(config: Config, require: tuple[str, ...] | list[str] | None = No
 
 
 def _tree_report(report: Report, pid: int, config: Config, tcp_established: bool) -> Report:
-    from ..hooks import take
+    from ..takepoint import client as take
 
     try:
         tree = procfs.process_tree(pid)
@@ -205,7 +209,7 @@ def _tree_report(report: Report, pid: int, config: Config, tcp_established: bool
         return report
     inv = procfs.inventory(tree)
     host_checks(report, config, gpu_required=inv.uses_gpu, network_lock=procfs.own_netns(pid))
-    inv.attach_gpu(report.facts.get("gpu"))
+    inv.attach_gpu(report.host.gpu)
     workload_checks(report, inv, tcp_established, trainers=take.trainers(tree))
     return report
 
@@ -239,40 +243,28 @@ def manifest_report(path: str, config: Config, criu: str | None = None, exact: b
     `verified`: digests computed while the files were written (see image.verify). `ahead`: the
     host checks already run (`host_checks_ahead`), reused where they match the manifest's needs.
 
-    The image is verified first (marker, manifest, checksums); its manifest lands in
-    `report.facts["manifest"]`. With `defer_digests` the checksums are left to the caller:
-    `report.facts["inspected"]` (an image.Inspected) checks them.
+    The image is verified first (marker, manifest, checksums) into `report.image` (an
+    image.Inspected; its manifest: `report.manifest`). With `defer_digests` the checksums are
+    left to the caller: `report.image.check_digests()`.
     """
     # `exact`: a restore verifies the very directory CRIU will read, never its parent
     image_dir = path if exact or os.path.isdir(path) else os.path.dirname(path) or "."
     report = Report(f"--manifest {path}")
     try:
-        if defer_digests:
-            inspected = image.inspect(image_dir, verified)
-            report.facts["inspected"] = inspected
-            manifest = inspected.manifest
-        else:
-            manifest = image.verify(image_dir, verified)
+        inspected = image.inspect(image_dir, verified)
+        if not defer_digests:
+            inspected.check_digests()
     except SnapguardError as e:
         report.checks.append(CheckResult("image", findings=[
             Finding(e.reason, e.failure.detail, evidence=e.failure.evidence)]))
         return report
     report.checks.append(CheckResult("image"))
-    report.facts["manifest"] = manifest
-    host_checks(report, config, gpu_required=image_uses_gpu(manifest), criu=criu,
-                network_lock=image_needs_network_lock(manifest), ahead=ahead)
+    report.image = inspected
+    manifest = inspected.manifest
+    host_checks(report, config, gpu_required=manifest.uses_gpu, criu=criu,
+                network_lock=manifest.needs_network_lock, ahead=ahead)
     report.run("image-vs-host", lambda: image.compare_with_host(
-        manifest, {**report.facts["host"], "mem_available": procfs.mem_available_bytes()},
-        str(report.facts.get("criu_version", "unknown"))))
-    report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.get("gpu"), report.facts.get("gpu")))
+        manifest, {**(report.host.host or {}), "mem_available": procfs.mem_available_bytes()},
+        str(report.host.criu_version if report.host.knows("criu_version") else "unknown")))
+    report.run("gpu-vs-host", lambda: gpu.compare_gpu(manifest.gpu, report.host.gpu))
     return report
-
-
-def image_uses_gpu(manifest: dict[str, Any]) -> bool:
-    return any(p.get("gpu") for p in manifest.get("processes") or [] if isinstance(p, dict))
-
-
-def image_needs_network_lock(manifest: dict[str, Any]) -> bool:
-    """A tree dumped in the host's network namespace needs a lock only for its TCP connections."""
-    return manifest.get("own_netns") is not False or (
-        bool(manifest.get("tcp_connections")) and manifest.get("network_lock") != "skip")

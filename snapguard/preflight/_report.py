@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..image import Inspected, Manifest
 from ..reasons import Finding, Reason, Severity, SnapguardError
+from .facts import HostFacts
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "Capability", "CapabilityResult", "CheckResult", "Report",
            "EXIT_READY", "EXIT_BLOCKED", "EXIT_UNCHECKED", "check_error_message"]
@@ -129,7 +131,9 @@ class CapabilityResult:
 class Report:
     target: str
     checks: list[CheckResult] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)
+    host: HostFacts = field(default_factory=HostFacts)  # what the host checks found out
+    image: Inspected | None = None  # a manifest report's image, its digests checked or left to the caller
+    processes: list[dict[str, Any]] | None = None  # the workload checks' process summary
     # A node report: the capabilities whose readiness decides the exit status (None: every check does).
     required: tuple[str, ...] | None = None
     # Blockers of a capability that no check carries (a node without the NVIDIA driver has no gpu).
@@ -225,12 +229,21 @@ class Report:
             "checks": [c.to_dict() for c in self.checks],
             "blockers": [f.to_dict() for f in self.blockers],
             "warnings": [f.to_dict() for f in self.warnings],
-            "facts": self.facts,
+            "facts": self.facts_json(),
         }
         if self.required is not None:
             out["required"] = list(self.required)
             out["capabilities"] = {c.name: c.to_dict() for c in self.capabilities}
         return out
+
+    @property
+    def manifest(self) -> Manifest | None:
+        return self.image.manifest if self.image is not None else None
+
+    def facts_json(self) -> dict[str, Any]:
+        """The report's facts as its JSON carries them: the image's manifest, the host's, the processes'."""
+        return {**({"manifest": self.image.manifest.to_json()} if self.image is not None else {}),
+                **self.host.to_dict(), **({"processes": self.processes} if self.processes is not None else {})}
 
     def raise_blockers(self) -> None:
         """Refuse with the first blocker (the others travel as evidence), or when a check could
@@ -253,12 +266,12 @@ class Report:
 
     def to_text(self) -> str:
         lines = [f"snapguard preflight {self.target}: {self.verdict.upper()}"]
-        versions = [f"{name} {self.facts[key]}" for name, key in
+        versions = [f"{name} {getattr(self.host, key)}" for name, key in
                     (("runc", "runc_version"), ("containerd", "containerd_version"), ("CRIU", "criu_version"))
-                    if self.facts.get(key)]
+                    if getattr(self.host, key)]
         if versions:
             lines.append(f"runtime: {', '.join(versions)}")
-        spill = self.facts.get("spill")
+        spill = self.host.spill
         if isinstance(spill, dict):
             lines.append(f"take point spills: {spill.get('dir')} ("
                          f"{'huge pages' if spill.get('huge_pages') else spill.get('hint', '4 KiB pages')})")
@@ -308,7 +321,7 @@ class Report:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         host = socket.gethostname()
         props = {"target": self.target, "verdict": self.verdict, "exit_code": str(self.exit_code),
-                 "snapguard_version": version, "criu_version": str(self.facts.get("criu_version", ""))}
+                 "snapguard_version": version, "criu_version": str(self.host.criu_version if self.host.knows("criu_version") else "")}
         if self.required is not None:
             props["required"] = ",".join(self.required)
 

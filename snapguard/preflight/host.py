@@ -6,25 +6,24 @@ import os
 import re
 
 from .. import criu, procfs
+from . import gpu
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
-from ..hooks import node_spill_dir
-from ..names import SPILL_TMPFS
 from ..reasons import Finding, Reason, Severity, SnapguardError
+from ..takepoint import SPILL_TMPFS, node_spill_dir
 
 __all__ = ["spill_tmpfs", "check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
            "check_runtime_versions", "runtime_pairing", "CONTAINERD_PATHS", "IPTABLES_RESTORE"]
 
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
-NVIDIA_DRIVER = "/proc/driver/nvidia/version"
 IPTABLES_RESTORE = ("/usr/sbin/iptables-restore", "/sbin/iptables-restore")
 
 
-def check_privileges(proc: str = "/proc") -> list[Finding]:
+def check_privileges(proc: str | None = None) -> list[Finding]:
     if os.geteuid() != 0:
         return [Finding(Reason.INSUFFICIENT_PRIVILEGE, f"running as uid {os.geteuid()}, CRIU needs root",
                         evidence={"euid": os.geteuid()})]
-    with open(os.path.join(proc, "self", "status")) as f:
+    with open(os.path.join(proc or procfs.procfs_path(), "self", "status")) as f:
         cap_eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
     missing = [name for bit, name in ((CAP_SYS_ADMIN, "CAP_SYS_ADMIN"), (CAP_SYS_PTRACE, "CAP_SYS_PTRACE"))
                if not cap_eff >> bit & 1]
@@ -165,7 +164,7 @@ def check_runtime_versions(runc_path: str, state_dir: str | None, facts: dict[st
 
 
 def spill_tmpfs() -> dict[str, object]:
-    """Where a bare trainer's take point spills on this node by default (names.SPILL_TMPFS where a
+    """Where a bare trainer's take point spills on this node by default (takepoint.SPILL_TMPFS where a
     tmpfs that every user may write is mounted there, else /dev/shm; a container's, where its spec
     binds SPILL_TMPFS at the same path) and whether that tmpfs gives
     huge pages (mounted huge=within_size, advise or always; or, for /dev/shm, the node's
@@ -207,7 +206,7 @@ def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
 
     Without them CRIU silently skips GPU state: a blocker for GPU workloads, a warning otherwise.
     """
-    if not required and not os.path.exists(NVIDIA_DRIVER):
+    if not required and not os.path.exists(gpu.NVIDIA_DRIVER):
         return []  # a CPU workload on a node without a GPU needs neither
     severity = Severity.BLOCKER if required else Severity.WARNING
     findings = []

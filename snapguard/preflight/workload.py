@@ -12,6 +12,7 @@ from typing import Any
 from .. import procfs
 from ..procfs import Inventory
 from ..reasons import Finding, Reason, Severity
+from ..takepoint import protocol
 from ._report import Report
 
 __all__ = ["check_host_memory", "check_multi_cuda", "check_stray_gpu_handles", "run_checks"]
@@ -41,9 +42,9 @@ def _compile_pool_owner(p: procfs.ProcInfo, by_pid: dict[int, procfs.ProcInfo],
                         trainers: dict[int, dict[str, Any]]) -> int | None:
     """The hooked trainer whose torch.compile pool p belongs to (a pool pid, or a process below
     one), when that trainer's take point shuts its pool down at the take."""
-    pools = {pid: t for t, st in trainers.items() if st.get("resolve")
-             for pid in (st.get("compile_pool") or {}).get("pids", [])
-             if (st.get("compile_pool") or {}).get("shutdown_at_take")}
+    pools = {pid: t for t, st in trainers.items() if st.get(protocol.RESOLVE)
+             for pid in (st.get(protocol.COMPILE_POOL) or {}).get(protocol.POOL_PIDS, [])
+             if (st.get(protocol.COMPILE_POOL) or {}).get(protocol.POOL_SHUTDOWN_AT_TAKE)}
     seen: set[int] = set()
     q: procfs.ProcInfo | None = p
     while q is not None and q.pid not in seen:
@@ -91,7 +92,7 @@ def check_stray_gpu_handles(inv: Inventory, trainers: dict[int, dict[str, Any]] 
             cause, why = "unhooked", ("no trainer above it runs snapguard's take-point hook: a torch.compile "
                                       "pool is shut down by the hook; an NVML user or monitor must be stopped "
                                       "before the snapshot")
-        elif not st.get("resolve") or not st.get("gpu_handles_dropped_in_children"):
+        elif not st.get(protocol.RESOLVE) or not st.get(protocol.GPU_HANDLES_DROPPED):
             cause, why = "hook-resolve-off", (f"trainer {trainer} runs the take-point hook with "
                                               "SNAPGUARD_RESOLVE_BLOCKERS=0 (or a hook that predates it): unset "
                                               "it, or start workers with the spawn method")
@@ -113,7 +114,7 @@ def check_multi_cuda(inv: Inventory, trainers: dict[int, dict[str, Any]] | None 
     trainers = trainers or {}
     coordinated = set(trainers)
     cuda = inv.cuda_processes()
-    nccl = [p for p in cuda if p.nccl_in_use or trainers.get(p.pid, {}).get("nccl")]
+    nccl = [p for p in cuda if p.nccl_in_use or trainers.get(p.pid, {}).get(protocol.NCCL)]
     if nccl:
         p = nccl[0]
         return [Finding(Reason.NCCL_UNSUPPORTED,
@@ -265,7 +266,7 @@ def check_amx(inv: Inventory, cpu_flags: list[str]) -> list[Finding]:
 def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, proc: str | None = None,
                trainers: dict[int, dict[str, Any]] | None = None) -> None:
     """All workload checks; `trainers`: take-point status of the pids that run the hook."""
-    report.facts["processes"] = inv.summary()
+    report.processes = inv.summary()
     report.run("stray-gpu-handles", lambda: check_stray_gpu_handles(inv, trainers))
     report.run("multi-cuda-nccl", lambda: check_multi_cuda(inv, trainers))
     report.run("mps", lambda: check_mps(inv))
@@ -277,5 +278,5 @@ def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, pr
     report.run("seccomp", lambda: check_seccomp(inv))
     report.run("interposers", lambda: check_interposers(inv, proc))
     report.run("host-memory", lambda: check_host_memory(inv, proc))
-    cpu_flags = (report.facts.get("host") or {}).get("cpu", {}).get("flags", [])
+    cpu_flags = report.host.cpu_flags
     report.run("amx", lambda: check_amx(inv, cpu_flags))

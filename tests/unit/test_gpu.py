@@ -236,7 +236,12 @@ def _facts(n_image: int, n_host: int, name: str = "NVIDIA H200") -> object:
 
 
 def test_device_map_is_completed_into_one_naming_every_gpu_of_the_old_node() -> None:
-    from snapguard.pipeline._sequence import _resolve_device_map
+    from snapguard.devicemap import DeviceMap
+    from snapguard.pipeline._devices import resolve_device_map
+
+    def _resolve_device_map(given: tuple, report: object) -> list:  # the image's GPUs and this host's, as the report has them
+        return list(resolve_device_map(DeviceMap(given), report.facts["manifest"]["gpu"]["gpus"],  # type: ignore[attr-defined]
+                                       report.facts["gpu"]["gpus"]))
     from snapguard.reasons import Reason, SnapguardError
 
     # driver 580 refuses a map leaving a GPU of the old node out: 0=1 on two GPUs is the swap

