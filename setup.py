@@ -3,7 +3,7 @@
 The helpers only make whole-node scans faster: where no compiler exists the install goes on
 without them and snapguard uses its pure-Python scanner, which gives identical results.
 
-snapguard-runc's C launcher is compiled on the node by `snapguard install` (snapguard/install.py),
+snapguard-runc's C launcher is compiled on the node by `snapguard install` (snapguard/install/),
 not here: a built package (the wheel, hence the Debian package) carries its two sources as package
 data in snapguard/_c_helpers/, copied from c_helpers/ at build time (the source tree has no
 snapguard/_c_helpers; an editable install finds c_helpers/ beside the package).

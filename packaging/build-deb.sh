@@ -50,6 +50,8 @@ wheel=$(cd "$src/dist" && ls snapguard-*.whl)
 case $wheel in *-abi3-*) ;; *) log "$wheel is not tagged abi3"; exit 1 ;; esac
 
 cp -r "$repo/packaging/debian" "$src/debian"
+# /etc/snapguard/config.toml as the table of keys renders it (snapguard/config/keys.py)
+PYTHONPATH=$repo "${SNAPGUARD_PYTHON:-python3}" -m snapguard.config template >"$src/debian/config.toml"
 cp "$repo/README.md" "$src/"
 # dh-virtualenv installs these requirements into the venv: the wheel with its `metrics` extra
 echo "./dist/$wheel[metrics]" >"$src/requirements.txt"

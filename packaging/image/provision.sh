@@ -59,7 +59,7 @@ for cmd in snapguard snapguard-runc snapguard-cuda-checkpoint; do
 done
 if [ ! -e /etc/snapguard/config.toml ]; then
   install -d -m 0755 /etc/snapguard
-  install -m 0644 "$src/packaging/config.toml" /etc/snapguard/config.toml
+  install -m 0644 "$src/packaging/debian/config.toml" /etc/snapguard/config.toml
 fi
 say "snapguard $(snapguard --version | awk '{print $2}') in $prefix"
 

@@ -1,10 +1,13 @@
-import os
 import stat
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from snapguard.config import SWITCH_OVERRIDES, ConfigError, check_pinned_binary, load, pinned_runc
+from snapguard.config import DEFAULTS, ENV_OVERRIDES, SWITCH_OVERRIDES, ConfigError, check_pinned_binary, keys, load
+from snapguard.config import pinned_runc
 
 
 def test_defaults_with_empty_file(tmp_path: Path) -> None:
@@ -85,9 +88,7 @@ def test_pinned_runc_refuses_relative_and_unsafe(tmp_path: Path) -> None:
     assert e.value.reason == "RUNC_UNUSABLE"
     exe = tmp_path / "fake-runc"
     exe.write_text("#!/bin/sh\n")
-    exe.chmod(0o777)
-    if os.geteuid() == 0:
-        assert "writable by root alone" in (check_pinned_binary(str(exe), "runc") or "")
+    exe.chmod(0o777)  # refused as writable by others: as root only, tests/system/test_root_config.py
     exe.chmod(0o644)
     assert "not an executable" in (check_pinned_binary(str(exe), "runc") or "")
     exe.chmod(0o755)
@@ -125,3 +126,40 @@ def test_runc_path_cache_writable_by_others_is_ignored(tmp_path: Path) -> None:
     cache.write_text(f"{stamp}\n/tmp/evil-runc\n")
     cache.chmod(0o666)
     assert pinned_runc(env) == str(exe)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_debian_template_is_the_key_tables_rendering() -> None:
+    """packaging/debian/config.toml is generated: `python -m snapguard.config template` rewrites it."""
+    committed = (REPO / "packaging" / "debian" / "config.toml").read_text()
+    assert committed == keys.render_template(), "stale: python -m snapguard.config template > packaging/debian/config.toml"
+    assert tomllib.loads(committed) == {}  # every key commented out: the defaults
+    for key in keys.KEYS:
+        assert f"# {key.comment}\n# {key.name} = " in committed
+
+
+def test_the_loader_reads_the_key_table(tmp_path: Path) -> None:
+    assert DEFAULTS == {key.name: key.default for key in keys.KEYS}
+    assert {**ENV_OVERRIDES, **SWITCH_OVERRIDES} == {key.name: key.env for key in keys.KEYS if key.env}
+    assert all(env.startswith("SNAPGUARD_") for env in (key.env for key in keys.KEYS) if env)
+    f = tmp_path / "c.toml"
+    f.write_text("")
+    cfg = load({"SNAPGUARD_CONFIG": str(f)})
+    assert {key.name: getattr(cfg, key.name) for key in keys.KEYS if key.kind != "path"} == \
+        {key.name: key.default for key in keys.KEYS if key.kind != "path"}
+    for key in keys.KEYS:
+        if key.kind == "int":
+            f.write_text(f"{key.name} = {key.high + 1}\n")
+            with pytest.raises(ConfigError, match=f"`{key.name}` must be an integer from 1 to {key.high}"):
+                load({"SNAPGUARD_CONFIG": str(f)})
+
+
+def test_the_config_reference_lists_every_key() -> None:
+    text = keys.render_markdown()
+    for key in keys.KEYS:
+        assert f"| `{key.name}` |" in text and f"## `{key.name}`" in text and key.description in text
+    out = subprocess.run([sys.executable, "-m", "snapguard.config", "markdown"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout == text and out.stderr == ""

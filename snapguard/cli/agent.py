@@ -1,0 +1,137 @@
+"""`snapguard agent`: the node agent that snapshots protected workloads on a reclaim notice.
+
+The agent itself is snapguard.notice; this module maps the flags onto its sources and settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ..config import load
+from ..notice import (AWS_URL, AZURE_URL, DEFAULT_ADDRESS, DEFAULT_CTR, DEFAULT_RUNC_ROOT, GCE_URL, K8S_CA, K8S_TOKEN,
+                      K8S_URL, SOURCE_NAMES)
+from ..reasons import Reason, SnapguardError
+from ._base import positive_seconds, root_only, seconds_or_off
+
+__all__ = ["AGENT_EPILOG", "add_parser", "run"]
+
+
+AGENT_EPILOG = """\
+sources (--source, repeatable; default: local only):
+  aws    EC2 spot instance-action through IMDSv2 (token first), 2 minutes' lead
+  gce    GCE instance/preempted (watched with wait_for_change) and maintenance-event
+  azure  Azure Scheduled Events, Preempt (and Terminate)
+  k8s    a pod's DisruptionTarget condition (--k8s-pod) and/or its node being drained (--k8s-node)
+  local  the inbox `snapguard notice` writes to (always watched)
+
+On a notice the agent takes one stopping snapshot of each workload `snapguard protect` registered,
+into --images (a private local directory), then, with --store URL, puts it into the image store.
+A notice seen twice is acted on once; the journal in <state_dir>/agent/journal.jsonl records every
+step, and a restarted agent discards an image left without its completion marker.
+
+
+Warm host checks (not with --once): while it waits, the agent runs the snapshot's host checks
+(privileges, CRIU and `criu check`, the network lock, the CUDA plugin) in a thread, at start and
+every --host-checks-every seconds (default 60; none starts while it acts on a notice). A snapshot
+on a notice reuses those that passed when they are at most twice that old, and its timings (the
+journal's snapshot_sealed line) say host_checks_age_s; with an older result or none, the
+snapshot's own preflight runs them, as without the agent, and a check that failed ahead runs
+again there. NVML's GPU inventory (it names the CUDA pids) is always read anew.
+
+Exit (--once): 0 done, 1 a source could not be read (typed line), 2 usage or configuration.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    ag = sub.add_parser("agent", help="the node agent: snapshot protected workloads on a reclaim notice",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AGENT_EPILOG,
+                        description=("Watch notice sources and, on a reclaim notice, snapshot (and stop) every "
+                                     "workload registered with `snapguard protect`, once per notice. Runs until "
+                                     "stopped (packaging/systemd/snapguard-agent.service), or one round with --once."))
+    ag.add_argument("--source", action="append", choices=SOURCE_NAMES, default=[], metavar="NAME",
+                    help=f"a notice source to watch: {', '.join(SOURCE_NAMES)} (repeatable)")
+    ag.add_argument("--store", metavar="URL", help="image store URL (snapguard.store); without it images stay local")
+    ag.add_argument("--images", metavar="DIR", help="where images are written (default <state_dir>/agent/images; "
+                                                      "the state dir is often tmpfs: give a disk for large images)")
+    ag.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
+                    help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
+    ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
+                                                         "act, exit")
+    ag.add_argument("--host-checks-every", type=seconds_or_off, default=60.0, metavar="S",
+                    help="seconds between runs of the snapshot's host checks kept warm for a notice; a result "
+                         "older than 2*S is not used (default 60; 0: off, each snapshot runs them itself)")
+    ag.add_argument("--keep", type=int, metavar="N", help="after each upload, keep the job's N newest whole images "
+                    "in the store and delete the older ones (default: delete nothing)")
+    ag.add_argument("--containerd", action="store_true",
+                    help="protect every running container annotated snapguard.io/job (OCI spec annotation or "
+                         "containerd label; Kubernetes pod annotations arrive through the runtime's "
+                         "pod_annotations, which `snapguard install` sets), listed through containerd's API")
+    ag.add_argument("--containerd-address", default=DEFAULT_ADDRESS, metavar="SOCK",
+                    help=f"containerd's socket (default {DEFAULT_ADDRESS})")
+    ag.add_argument("--containerd-namespace", action="append", default=[], metavar="NS",
+                    help="namespace to list (repeatable; default k8s.io and default)")
+    ag.add_argument("--containerd-runc-root", default=DEFAULT_RUNC_ROOT, metavar="DIR",
+                    help=f"runc's root of containerd's shim; the namespace is appended (default {DEFAULT_RUNC_ROOT})")
+    ag.add_argument("--ctr", default=DEFAULT_CTR, metavar="PATH",
+                    help=f"containerd's ctr client, root's alone (default {DEFAULT_CTR})")
+    ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
+    ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
+    ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
+    ag.add_argument("--k8s-url", default=K8S_URL, metavar="URL", help=f"API server (default {K8S_URL})")
+    ag.add_argument("--k8s-node", metavar="NAME", default=os.environ.get("NODE_NAME"),
+                    help="this node's name: a drain (cordon, autoscaler taint) is a notice (default $NODE_NAME)")
+    ag.add_argument("--k8s-pod", metavar="NS/NAME", help="a pod whose DisruptionTarget condition is a notice")
+    ag.add_argument("--k8s-node-condition", action="append", default=[], metavar="TYPE",
+                    help="a node condition type whose status True is a notice (repeatable)")
+    ag.add_argument("--k8s-token-file", default=K8S_TOKEN, metavar="PATH", help=f"bearer token (default {K8S_TOKEN})")
+    ag.add_argument("--k8s-ca-file", default=K8S_CA, metavar="PATH", help=f"API server CA (default {K8S_CA})")
+
+
+def _sources(args: argparse.Namespace, config: Any) -> list[Any]:
+    from .. import notice
+
+    out: list[Any] = [notice.local_source(config)]
+    for name in dict.fromkeys(args.source):
+        if name == "aws":
+            out.append(notice.AwsSpot(args.aws_url))
+        elif name == "gce":
+            out.append(notice.Gce(args.gce_url))
+        elif name == "azure":
+            out.append(notice.Azure(args.azure_url))
+        elif name == "k8s":
+            out.append(notice.Kubernetes(args.k8s_url, node=args.k8s_node, pod=args.k8s_pod,
+                                         token_file=args.k8s_token_file or None, ca_file=args.k8s_ca_file or None,
+                                         node_conditions=tuple(args.k8s_node_condition)))
+    return out
+
+
+def _containerd(args: argparse.Namespace) -> Any:
+    if not args.containerd:
+        return None
+    from ..trust import UntrustedPathError, resolve_trusted
+    from ..notice import ContainerdWatch
+
+    if not os.path.isabs(args.ctr):
+        raise SnapguardError(Reason.USAGE_ERROR, f"--ctr {args.ctr!r} is not an absolute path")
+    try:
+        ctr = resolve_trusted(args.ctr, "exec")
+    except UntrustedPathError as e:
+        reason = Reason.CONTAINERD_UNAVAILABLE if e.unusable else Reason.UNTRUSTED_PATH
+        raise SnapguardError(reason, f"--ctr: {e}", evidence={"path": e.path}) from None
+    return ContainerdWatch(ctr, args.containerd_address, tuple(args.containerd_namespace) or ("k8s.io", "default"),
+                           args.containerd_runc_root)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..notice import Agent
+
+    root_only("snapguard agent")
+    if args.keep is not None and args.keep < 1:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--keep {args.keep}: keep at least the newest whole image")
+    config = load()
+    agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
+                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args),
+                  keep=args.keep, host_checks_every_s=args.host_checks_every or None)
+    return agent.run(once=args.once)
