@@ -3,7 +3,8 @@
 Sources (`_sources`) read one capacity owner's notice each, in the format it documents: AWS spot
 `instance-action` (IMDSv2), GCE `preempted` and `maintenance-event`, Azure Scheduled Events
 `Preempt`, a Kubernetes pod's `DisruptionTarget` or its node being drained, and the local inbox
-`snapguard notice` writes. The agent (`_agent`) takes one stopping snapshot through
+`snapguard notice` writes. The agent (`_agent`; its state on disk in `_state`, restart in `_recover`,
+uploads in `_upload`, warm host checks in `_warm`) takes one stopping snapshot through
 snapguard.pipeline of each workload registered with `snapguard protect`, once per notice, into a
 private local directory and, with a store URL, into the image store (snapguard.store, optional).
 """
@@ -11,14 +12,16 @@ private local directory and, with a store URL, into the image store (snapguard.s
 from __future__ import annotations
 
 from ._agent import Agent as Agent
-from ._agent import ImageStore as ImageStore
-from ._agent import Registry as Registry
-from ._agent import agent_dir as agent_dir
-from ._agent import local_source as local_source
-from ._agent import post_notice as post_notice
-from ._agent import read_journal as read_journal
-from ._cli import COMMANDS as COMMANDS
-from ._cli import add_parsers as add_parsers
+from ._containerd import DEFAULT_ADDRESS as DEFAULT_ADDRESS
+from ._containerd import DEFAULT_CTR as DEFAULT_CTR
+from ._containerd import DEFAULT_RUNC_ROOT as DEFAULT_RUNC_ROOT
+from ._containerd import ContainerdWatch as ContainerdWatch
+from ._sources import AWS_URL as AWS_URL
+from ._sources import AZURE_URL as AZURE_URL
+from ._sources import GCE_URL as GCE_URL
+from ._sources import K8S_CA as K8S_CA
+from ._sources import K8S_TOKEN as K8S_TOKEN
+from ._sources import K8S_URL as K8S_URL
 from ._sources import SOURCE_NAMES as SOURCE_NAMES
 from ._sources import AwsSpot as AwsSpot
 from ._sources import Azure as Azure
@@ -27,7 +30,16 @@ from ._sources import Kubernetes as Kubernetes
 from ._sources import Local as Local
 from ._sources import Notice as Notice
 from ._sources import Source as Source
+from ._state import Registry as Registry
+from ._state import agent_dir as agent_dir
+from ._state import local_source as local_source
+from ._state import post_notice as post_notice
+from ._state import read_journal as read_journal
+from ._upload import ImageStore as ImageStore
 
-__all__ = ["COMMANDS", "SOURCE_NAMES", "Agent", "AwsSpot", "Azure", "Gce", "ImageStore", "Kubernetes", "Local",
-           "Notice", "Registry", "Source", "add_parsers", "agent_dir", "local_source", "post_notice",
-           "read_journal"]
+__all__ = [
+    "AWS_URL", "AZURE_URL", "DEFAULT_ADDRESS", "DEFAULT_CTR", "DEFAULT_RUNC_ROOT", "GCE_URL", "K8S_CA",
+    "K8S_TOKEN", "K8S_URL", "SOURCE_NAMES", "Agent", "ContainerdWatch", "AwsSpot", "Azure", "Gce", "ImageStore",
+    "Kubernetes", "Local", "Notice", "Registry", "Source", "agent_dir", "local_source", "post_notice",
+    "read_journal",
+]

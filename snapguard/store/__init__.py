@@ -16,8 +16,9 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from ..reasons import Reason, SnapguardError
-from ._base import STORE_RECORD, ImageRef, Progress, Pulled, Store, terminal_progress
+from ._base import STORE_RECORD, Store
 from ._digest import SPAN, SpanHasher, combine
+from ._records import ImageRef, Progress, Pulled, terminal_progress
 
 __all__ = ["SPAN", "STORE_RECORD", "ImageRef", "Progress", "Pulled", "SpanHasher", "Store", "combine",
            "open_store", "terminal_progress"]

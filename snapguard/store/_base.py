@@ -1,4 +1,5 @@
-"""What every image store does, over five primitives each backend implements.
+"""What every image store does, over the primitives each backend implements (pulls in _pull, the
+records and names in _records).
 
 Layout under the store's root (a directory or a bucket prefix):
 
@@ -19,130 +20,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import re
-import shutil
 import socket
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
-from .. import image, trust
-from ..files import write_private_bytes
+from .. import image
 from ..names import MANIFEST_NAME, MARKER_NAME
 from ..reasons import Reason, SnapguardError
-from . import _fencing
-from ._digest import combine
+from . import _fencing, _pull
 from ._members import STORE_RECORD, check_member, read_sealed, upload_member
+from ._records import ImageRef, Progress, Pulled, check_name, new_image_name
 
-__all__ = ["ImageRef", "Progress", "Pulled", "Store", "STORE_RECORD"]
+__all__ = ["STORE_RECORD", "Store"]
 
-log = logging.getLogger("snapguard.store")
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-_SMALL_CAP = 64 << 20  # the largest manifest image.py accepts
+_SMALL_CAP = image.MAX_MANIFEST_BYTES  # the largest manifest an image may hold
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
-        raise SnapguardError(Reason.USAGE_ERROR, f"{kind} name {name!r} is not one a store accepts "
-                             "(letters, digits, '.', '_', '-'; at most 128)")
-    return name
-
-
-def new_image_name() -> str:
-    """Sortable by time: the newest whole image is the last name."""
-    t = time.time()
-    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
-
-
-class Progress:
-    """Bytes moved, rate and ETA of one transfer: logged (logger snapguard.store, for the agent's
-    log) and, given a stream (`--progress` on a terminal), drawn on one line. `deadline_s`: past it
-    the next update raises STORE_TOO_SLOW. `callback(dict)` is called on every report."""
-
-    def __init__(self, total: int = 0, *, label: str = "", stream: IO[str] | None = None,
-                 interval_s: float = 1.0, deadline_s: float | None = None,
-                 callback: Callable[[dict[str, Any]], None] | None = None,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
-        self.total, self.label, self.stream = total, label, stream
-        self.interval_s, self.deadline_s, self.callback, self.on_bytes = interval_s, deadline_s, callback, on_bytes
-        self.done = 0
-        self.t0 = time.monotonic()
-        self._last = 0.0
-        self._lock = threading.Lock()
-
-    def start(self, total: int, label: str) -> None:
-        with self._lock:
-            self.total, self.label, self.done, self.t0, self._last = total, label, 0, time.monotonic(), 0.0
-
-    def state(self) -> dict[str, Any]:
-        elapsed = max(time.monotonic() - self.t0, 1e-9)
-        rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 and self.total >= self.done else None
-        return {"label": self.label, "bytes": self.done, "total": self.total, "elapsed_s": round(elapsed, 3),
-                "rate_bps": rate, "eta_s": eta}
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.monotonic()
-            report = now - self._last >= self.interval_s or self.done >= self.total
-            if report:
-                self._last = now
-        if self.on_bytes is not None:
-            self.on_bytes(self.done)
-        if self.deadline_s is not None and time.monotonic() - self.t0 > self.deadline_s:
-            s = self.state()
-            raise SnapguardError(Reason.STORE_TOO_SLOW, f"{self.label}: {s['bytes']} of {s['total']} bytes in "
-                                 f"{s['elapsed_s']:.1f} s, past the {self.deadline_s:g} s deadline",
-                                 evidence={"progress": s})
-        if report:
-            self.report()
-
-    def report(self, final: bool = False) -> None:
-        s = self.state()
-        eta = f"{s['eta_s']:.0f} s" if s["eta_s"] is not None else "?"
-        line = (f"{s['label']}: {s['bytes'] >> 20}/{s['total'] >> 20} MiB, {s['rate_bps'] / 2**20:.1f} MiB/s, "
-                f"ETA {eta}")
-        log.info("%s", line)
-        if self.callback is not None:
-            self.callback(s)
-        if self.stream is not None:
-            self.stream.write("\r" + line + ("\n" if final else ""))
-            self.stream.flush()
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image of a job in a store; `complete`: its marker is there."""
-
-    store_url: str
-    job: str
-    name: str
-    complete: bool
-    epoch: int | None = None  # the fencing epoch it was pushed under (from its store record)
-
-    @property
-    def url(self) -> str:
-        return f"{self.store_url.rstrip('/')}/{self.job}/images/{self.name}"
-
-
-@dataclass
-class Pulled:
-    """An image fetched into a local directory, every file verified as it was read."""
-
-    ref: ImageRef
-    image_dir: str
-    manifest: dict[str, Any]
-    digests: dict[str, str]  # name -> manifest digest, computed from the bytes written
-    record: dict[str, Any] = field(default_factory=dict)
-    bytes: int = 0
-    seconds: float = 0.0
 
 
 class Store:
@@ -385,85 +278,7 @@ class Store:
         written, and a later restore of the directory, after a crash, verifies every byte again."""
         if isinstance(ref, str):
             ref = ImageRef(self.url, check_name("job", job or ""), check_name("image", ref), True)
-        prefix = f"{check_name('job', ref.job)}/images/{check_name('image', ref.name)}/"
-        t0 = time.monotonic()
-        marker = self._get(prefix + MARKER_NAME, 4096)
-        if marker is None:
-            what = "is incomplete (its upload was interrupted or failed)" if self._list(prefix) else "does not exist"
-            raise SnapguardError(Reason.UPLOAD_INCOMPLETE if self._list(prefix) else Reason.IMAGE_INCOMPLETE,
-                                 f"image {ref.name} of job {ref.job} in {self.url} {what}: it has no "
-                                 f"{MARKER_NAME}", evidence={"store": self.url, "image": ref.url})
-        manifest_bytes = self._get(prefix + MANIFEST_NAME)
-        try:
-            expected = json.loads(marker)["manifest_sha256"]
-        except (ValueError, KeyError, TypeError):
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"the marker of {ref.url} is unreadable",
-                                 evidence={"image": ref.url}) from None
-        if manifest_bytes is None or hashlib.sha256(manifest_bytes).hexdigest() != expected:
-            raise SnapguardError(Reason.IMAGE_CORRUPT, f"the manifest of {ref.url} is missing or does not match "
-                                 "its completion marker", evidence={"image": ref.url})
-        try:
-            manifest = json.loads(manifest_bytes)
-        except ValueError:
-            raise SnapguardError(Reason.MANIFEST_INVALID, f"the manifest of {ref.url} is not JSON",
-                                 evidence={"image": ref.url}) from None
-        manifest = image.validate_manifest(manifest, ref.url)
-        files: dict[str, dict[str, Any]] = manifest["files"]
-        for fname in files:
-            check_member(fname)
-        if check_manifest is not None:
-            check_manifest(manifest)
-        record = self._record(ref.job, ref.name)
-        dest = _make_dest(dest)
-        dir_fd = os.open(dest, _O_DIR)
-        digests: dict[str, str] = {}
-        total = sum(int(e["size"]) for e in files.values())
-        progress = progress or Progress()
-        progress.start(total, f"pull {ref.job}/{ref.name}")
-        try:
-            for fname, entry in sorted(files.items()):
-                # read and write: a store may copy into a mapping of it (FileStore)
-                fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=dir_fd)
-                try:
-                    digest = combine(self._download(prefix + fname, entry["size"], fd, progress))
-                    if os.fstat(fd).st_size != entry["size"]:
-                        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} of {ref.url} has "
-                                             f"{os.fstat(fd).st_size} bytes, manifest says {entry['size']}",
-                                             evidence={"image": ref.url, "path": fname})
-                    if durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if digest != entry["sha256"]:
-                    raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} of {ref.url} has sha256 "
-                                         f"{digest[:16]}..., manifest says {entry['sha256'][:16]}...",
-                                         evidence={"image": ref.url, "path": fname, "expected": entry["sha256"],
-                                                   "actual": digest})
-                digests[fname] = digest
-            write_private_bytes(os.path.join(dest, MANIFEST_NAME), manifest_bytes)
-            write_private_bytes(os.path.join(dest, MARKER_NAME), marker)  # last: the local copy is whole
-        except BaseException:
-            os.close(dir_fd)
-            shutil.rmtree(dest, ignore_errors=True)
-            raise
-        os.close(dir_fd)
-        progress.report(final=True)
-        epoch = record.get("epoch")
-        ref = ImageRef(self.url, ref.job, ref.name, True, epoch if isinstance(epoch, int) else None)
-        return Pulled(ref, dest, manifest, digests, record, total, time.monotonic() - t0)
-
-
-def _make_dest(dest: str) -> str:
-    """A new or empty directory of root's alone for a pulled image."""
-    try:
-        path = trust.make_private_dir(os.path.abspath(dest))
-    except trust.UntrustedPathError as e:
-        raise SnapguardError(Reason.UNTRUSTED_PATH, str(e), evidence={"path": e.path}) from None
-    if os.listdir(path):
-        raise SnapguardError(Reason.USAGE_ERROR, f"{path} is not empty: an image is pulled into a new or empty "
-                             "directory", evidence={"path": path})
-    return path
+        return _pull.pull(self, ref, dest, progress or Progress(), check_manifest, durable)
 
 
 def _open_local(image_dir: str) -> int:
@@ -478,10 +293,4 @@ def _open_local(image_dir: str) -> int:
         raise SnapguardError(Reason.UNTRUSTED_PATH, f"image directory {image_dir} is not root's alone",
                              evidence={"image": image_dir})
     return fd
-
-
-def terminal_progress(enabled: bool) -> IO[str] | None:
-    """stderr when asked for and a terminal; else None (the log still gets the lines)."""
-    return sys.stderr if enabled and sys.stderr.isatty() else None
-
 

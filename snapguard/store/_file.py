@@ -1,9 +1,10 @@
 """file://: a directory, typically on a shared file system every node mounts.
 
 Objects are files under the root (directories 0700, files 0600, root's alone). A put writes a
-temporary file in the object's directory, fsyncs it and renames it into place; a create-only put
-links it into place (link(2) fails on an existing name: one winner, and a reader never sees a
-half-written object). Nothing is ever followed through a symlink.
+temporary file in the object's directory, fsyncs it and renames it into place
+(snapguard.files.rename_into_place); a create-only put links it into place (link(2) fails on an
+existing name: one winner, and a reader never sees a half-written object). Nothing is ever
+followed through a symlink.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import os
 import secrets
 import stat
 
-from .. import trust
+from .. import files, trust
 from ..reasons import Reason, SnapguardError
-from ._base import Progress, Store
+from ._base import _SMALL_CAP, Store
 from ._digest import SPAN
+from ._records import Progress
 
 __all__ = ["FileStore"]
 
@@ -76,8 +78,7 @@ class FileStore(Store):
 
     def _put(self, key: str, data: bytes) -> None:
         tmp = self._write_tmp(key, data)
-        os.replace(tmp, self._path(key))
-        self._sync_dir(tmp)
+        files.rename_into_place(tmp, self._path(key))
 
     def _put_new(self, key: str, data: bytes) -> bool:
         tmp = self._write_tmp(key, data)
@@ -100,7 +101,7 @@ class FileStore(Store):
             raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is not a regular file")
         return fd
 
-    def _get(self, key: str, cap: int = 64 << 20) -> bytes | None:
+    def _get(self, key: str, cap: int = _SMALL_CAP) -> bytes | None:
         fd = self._open(key)
         if fd is None:
             return None
@@ -140,8 +141,7 @@ class FileStore(Store):
             os.unlink(tmp)
             raise
         os.close(out)
-        os.replace(tmp, self._path(key))
-        self._sync_dir(tmp)
+        files.rename_into_place(tmp, self._path(key))
         return digests
 
     def _begin(self, key: str) -> tuple[str, str, int]:
@@ -162,8 +162,7 @@ class FileStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, self._path(key))
-        self._sync_dir(tmp)
+        files.rename_into_place(tmp, self._path(key))
 
     def _abort(self, handle: tuple[str, str, int]) -> None:
         try:

@@ -17,7 +17,7 @@ from ._digest import combine
 __all__ = ["STORE_RECORD", "check_member", "open_member", "read_sealed", "read_span", "upload_member"]
 
 STORE_RECORD = "snapguard-store.json"
-_SMALL_CAP = 64 << 20  # the largest manifest image.py accepts
+_SMALL_CAP = image.MAX_MANIFEST_BYTES  # the largest manifest an image may hold
 _O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 

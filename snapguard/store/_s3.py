@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..reasons import Reason, SnapguardError
-from ._base import Progress, Store
+from ._base import Store
 from ._digest import SPAN, spans
 from ._members import read_span
+from ._records import Progress
 
 __all__ = ["S3Store"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from snapguard.config import Config, load
 from snapguard.notice import _agent
-from snapguard.notice._agent import WarmHostChecks
+from snapguard.notice._warm import WarmHostChecks
 from snapguard.preflight import CheckResult, HostChecks
 from snapguard.reasons import Finding, Reason
 

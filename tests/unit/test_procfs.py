@@ -108,6 +108,28 @@ def test_a_process_start_names_it_apart_from_a_later_one_with_its_pid(tmp_path: 
     assert procfs.start_ticks(child.pid) is None and not procfs.alive(child.pid)
 
 
+def test_node_scans_and_running_start(tmp_path: Path) -> None:
+    """The scans the agent makes: processes naming an argument (never this one), a start time only
+    for a process that runs (a zombie's is None), whether /proc/PID is there; and the boot id."""
+    root = tmp_path / "proc"
+    for pid, state, argv in ((77, "Z", b"criu\0dump\0--images-dir\0/img\0"), (78, "S", b"runc\0/img\0"),
+                             (79, "S", b"runc\0/img2\0"), (os.getpid(), "S", b"me\0/img\0")):
+        (root / str(pid)).mkdir(parents=True)
+        fields = [state, "1"] + [str(n) for n in range(5, 22)] + ["4242", "0"]
+        (root / str(pid) / "stat").write_text(f"{pid} (x) " + " ".join(fields) + "\n")
+        (root / str(pid) / "cmdline").write_bytes(argv)
+    (root / "self").mkdir()
+    proc = str(root)
+    assert sorted(procfs.with_argument("/img", proc)) == [77, 78]
+    assert procfs.cmdline(79, proc) == [b"runc", b"/img2", b""] and procfs.cmdline(80, proc) is None
+    assert procfs.running_start_ticks(78, proc) == 4242 and procfs.running_start_ticks(77, proc) is None
+    assert procfs.start_ticks(77, proc) == 4242 and procfs.running_start_ticks(80, proc) is None
+    assert procfs.exists(77, proc) and not procfs.exists(80, proc)
+    assert procfs.self_fd(3, proc) == f"{proc}/self/fd/3"
+    assert procfs.running_start_ticks(os.getpid()) == procfs.start_ticks(os.getpid())
+    boot = procfs.boot_id()
+    assert boot is not None and len(boot) == 36 and procfs.boot_id(proc) is None
+
 def test_a_paths_mount_is_the_last_on_the_longest_mount_point_holding_it(tmp_path: Path) -> None:
     """mountinfo's mount point (octal escapes undone) and the filesystem's own options, after
     the " - " separator; a mount stacked on another at the same point wins; a lookalike prefix

@@ -1,31 +1,6 @@
-"""Trusted paths: what snapguard runs, loads or writes as root must be controlled by root alone.
-
-snapguard runs as root. Any file that decides what runs as root (the config file, runc, CRIU,
-cuda-checkpoint, every shared object CRIU loads from its libdir, the files snapguard generates in
-its state dir) is only as safe as the least protected directory on the way to it: whoever can
-write one of those directories can rename the next component and swap in their own file, or plant
-a symlink. So a path is trusted only when every directory traversed is owned by root and writable
-by root alone, and the final object is too.
-
-Two rules keep the check honest:
-
-- The walk never follows a link blindly: each component is opened relative to the already checked
-  parent's descriptor with O_PATH|O_NOFOLLOW and inspected with fstat; a symlink is read with
-  readlink and its target walked the same way. Checking with stat and then opening by name would
-  leave a window in which the name points somewhere else.
-- Callers use what was checked: the canonical path returned (no symlinks, no ".."; safe because
-  no one but root can change any of its components) or the descriptor returned.
-
-A root-owned directory with the sticky bit (/tmp, 1777) may be passed through even though others
-can write it: in a sticky directory only an entry's owner can rename or delete it, so an entry
-owned by root cannot be swapped. Entries owned by anyone else are refused there.
-
-When snapguard does not run as root (unit tests, a user's own checks), objects owned by the
-effective uid are accepted as well as root's.
-
-This module sits near the executor's pass-through path (every runc call containerd makes), so it
-imports only os, stat and errno at module level.
-"""
+"""The walk behind every trust check: each component opened relative to its checked parent's
+descriptor (O_PATH|O_NOFOLLOW), inspected with fstat, a symlink's target walked the same way; the
+ownership and mode rules a directory or final object must meet (snapguard.trust says why)."""
 
 from __future__ import annotations
 
@@ -33,19 +8,13 @@ import errno as _errno
 import os
 import stat
 
-__all__ = [
-    "UntrustedPathError",
-    "check_trusted_libdir",
-    "make_private_dir",
-    "open_trusted",
-    "private_tempdir",
-    "resolve_trusted",
-]
+__all__ = ["KINDS", "MAX_SYMLINKS", "PROBE", "UntrustedPathError", "Walk", "check_kind", "join", "os_failure",
+           "owners", "writable_by"]
 
 KINDS = ("file", "exec", "dir")
 MAX_SYMLINKS = 40  # Linux's own limit (MAXSYMLINKS) on symlinks followed in one lookup
 
-_PROBE = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+PROBE = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FD = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -78,12 +47,12 @@ class UntrustedPathError(Exception):
         return self.errno is not None
 
 
-def _owners() -> tuple[int, ...]:
+def owners() -> tuple[int, ...]:
     euid = os.geteuid()
     return (0,) if euid == 0 else (0, euid)
 
 
-def _writable_by(mode: int) -> str | None:
+def writable_by(mode: int) -> str | None:
     group, others = bool(mode & stat.S_IWGRP), bool(mode & stat.S_IWOTH)
     if group and others:
         return "group and others"
@@ -94,7 +63,7 @@ def _writable_by(mode: int) -> str | None:
     return None
 
 
-def _join(parent: str, name: str) -> str:
+def join(parent: str, name: str) -> str:
     return f"{parent.rstrip('/')}/{name}"
 
 
@@ -112,7 +81,7 @@ class _Dir:
         self.fd, self.path, self.sticky, self.st = fd, path, sticky, st
 
 
-class _Walk:
+class Walk:
     """One walk of a path from "/": the checked directory stack and the final object.
 
     `parent` is the checked directory holding the final object (None when the final object is "/"
@@ -141,7 +110,7 @@ class _Walk:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> _Walk:
+    def __enter__(self) -> Walk:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,9 +122,9 @@ class _Walk:
     def check_dir(self, path: str, st: os.stat_result) -> bool:
         """Refuse a directory others control; True when it is a root-owned sticky directory that
         others can write, so that each entry taken from it must be checked for its owner."""
-        if st.st_uid not in _owners():
+        if st.st_uid not in owners():
             raise self.fail(f"directory {path} is owned by uid {st.st_uid}, not root")
-        who = _writable_by(st.st_mode)
+        who = writable_by(st.st_mode)
         if who is None:
             return False
         if st.st_mode & stat.S_ISVTX and st.st_uid == 0:
@@ -164,24 +133,13 @@ class _Walk:
 
     def check_entry_owner(self, parent: _Dir, path: str, st: os.stat_result) -> None:
         """In a sticky directory others can write, only the entry's owner can rename or delete it."""
-        if parent.sticky and st.st_uid not in _owners():
+        if parent.sticky and st.st_uid not in owners():
             raise self.fail(f"{path} is owned by uid {st.st_uid} in sticky directory {parent.path}")
 
     def run(self, *, follow_final: bool = True, create: bool = False) -> None:
         """Walk self.path. Missing components are created 0700 when `create` (the final one too);
         a final symlink is refused unless `follow_final`."""
-        if not self.path.startswith("/"):
-            raise self.fail("not an absolute path", _errno.EINVAL)
-        if "\0" in self.path:
-            raise self.fail("contains a NUL byte", _errno.EINVAL)
-        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        try:
-            sticky = self.check_dir("/", st)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.stack.append(_Dir(fd, "/", sticky, st))
+        self._open_root()
         pending = _split(self.path)
         hops = 0
         final: tuple[int, str, os.stat_result] | None = None
@@ -192,7 +150,7 @@ class _Walk:
                     os.close(self.stack.pop().fd)
                 continue
             parent = self.stack[-1]
-            here = _join(parent.path, name)
+            here = join(parent.path, name)
             last = not pending
             fd, st = self._open_entry(parent, name, here, create)
             try:
@@ -220,6 +178,25 @@ class _Walk:
                 os.close(fd)
                 raise
             self.stack.append(_Dir(fd, here, sticky, st))
+        self._end(final)
+
+    def _open_root(self) -> None:
+        """Check the path's form and put "/", checked, at the bottom of the stack."""
+        if not self.path.startswith("/"):
+            raise self.fail("not an absolute path", _errno.EINVAL)
+        if "\0" in self.path:
+            raise self.fail("contains a NUL byte", _errno.EINVAL)
+        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        try:
+            sticky = self.check_dir("/", st)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.stack.append(_Dir(fd, "/", sticky, st))
+
+    def _end(self, final: tuple[int, str, os.stat_result] | None) -> None:
+        """Take the final object (opened, not yet on the stack) and its parent."""
         if final is None:
             # The path ends in a directory already on the stack ("/", "/a/..", a link to ".").
             top = self.stack.pop()
@@ -230,17 +207,17 @@ class _Walk:
         else:
             self.fd, self.name, self.st = final
             self.parent = self.stack.pop()
-            self.canonical = _join(self.parent.path, self.name)
+            self.canonical = join(self.parent.path, self.name)
 
     def _open_entry(self, parent: _Dir, name: str, here: str, create: bool) -> tuple[int, os.stat_result]:
         try:
-            fd = os.open(name, _PROBE, dir_fd=parent.fd)
+            fd = os.open(name, PROBE, dir_fd=parent.fd)
         except FileNotFoundError:
             if not create:
                 raise self.fail("does not exist", _errno.ENOENT) from None
             self._mkdir(parent, name, here)
             try:
-                fd = os.open(name, _PROBE, dir_fd=parent.fd)
+                fd = os.open(name, PROBE, dir_fd=parent.fd)
             except OSError as e:
                 raise self.fail(f"{here}: {e.strerror}", e.errno) from None
         except OSError as e:
@@ -276,9 +253,9 @@ class _Walk:
         st = self.st if st is None else st
         assert st is not None
         what = "directory" if stat.S_ISDIR(st.st_mode) else "file"
-        if st.st_uid not in _owners():
+        if st.st_uid not in owners():
             raise self.fail(f"{what} {self.canonical} is owned by uid {st.st_uid}, not root")
-        who = _writable_by(st.st_mode)
+        who = writable_by(st.st_mode)
         if who is not None:
             raise self.fail(f"{what} {self.canonical} is writable by {who}")
         if kind == "dir":
@@ -306,154 +283,11 @@ class _Walk:
         return (st.st_dev, st.st_ino) == (self.st.st_dev, self.st.st_ino)
 
 
-def _os_failure(path: str, e: OSError) -> UntrustedPathError:
+def os_failure(path: str, e: OSError) -> UntrustedPathError:
     """An unexpected system call failure during a walk, as the one error type callers handle."""
     return UntrustedPathError(path, e.strerror or str(e), e.errno)
 
 
-def _check_kind(kind: str) -> None:
+def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-
-
-def resolve_trusted(path: str, kind: str) -> str:
-    """The canonical path of `path` after checking that root alone controls it and every
-    directory on the way, and that it is a `kind` ("file", "exec" or "dir").
-
-    Run or load exactly the returned path: none of its components can be changed by anyone
-    but root, while the path as given may go through symlinks.
-    """
-    _check_kind(kind)
-    try:
-        with _Walk(path) as walk:
-            walk.run()
-            walk.check_final(kind)
-            return walk.canonical
-    except OSError as e:
-        raise _os_failure(path, e) from None
-
-
-def open_trusted(path: str, kind: str = "file", flags: int = os.O_RDONLY) -> int:
-    """A descriptor of `path` opened with `flags` once it is checked as resolve_trusted does.
-
-    The final component is opened relative to the descriptor of its checked parent, with
-    O_NOFOLLOW (it cannot have become a symlink) and O_NONBLOCK (a FIFO cannot block the open),
-    then checked again through the descriptor. Flags that create files are not meant for this.
-    For a regular file O_NONBLOCK is cleared again before the descriptor is returned.
-    """
-    _check_kind(kind)
-    try:
-        with _Walk(path) as walk:
-            walk.run()
-            walk.check_final(kind)
-            fd = walk.reopen(flags | (os.O_DIRECTORY if kind == "dir" else 0))
-            try:
-                st = os.fstat(fd)
-                if not walk.same_object(st):
-                    raise walk.fail(f"{walk.canonical} changed while it was opened")
-                walk.check_final(kind, st)
-                if stat.S_ISREG(st.st_mode):
-                    os.set_blocking(fd, True)
-            except BaseException:
-                os.close(fd)
-                raise
-            return fd
-    except OSError as e:
-        raise _os_failure(path, e) from None
-
-
-def check_trusted_libdir(path: str) -> str:
-    """The canonical path of CRIU's plugin directory once it and every plugin in it are trusted.
-
-    CRIU dlopen()s every entry whose name ends in ".so" in its libdir, as root: each one's
-    constructor runs as root, so each must be root's alone like a binary. A symlinked plugin is
-    followed and its target checked.
-    """
-    try:
-        with _Walk(path) as walk:
-            walk.run()
-            walk.check_final("dir")
-            dir_fd = walk.reopen(os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                if not walk.same_object(os.fstat(dir_fd)):
-                    raise walk.fail(f"{walk.canonical} changed while it was opened")
-                for name in sorted(os.listdir(dir_fd)):
-                    if name.endswith(".so"):
-                        _check_plugin(walk.canonical, dir_fd, name)
-            finally:
-                os.close(dir_fd)
-            return walk.canonical
-    except OSError as e:
-        raise _os_failure(path, e) from None
-
-
-def _check_plugin(libdir: str, dir_fd: int, name: str) -> None:
-    here = _join(libdir, name)
-    try:
-        fd = os.open(name, _PROBE, dir_fd=dir_fd)
-    except OSError as e:
-        raise UntrustedPathError(here, e.strerror or "cannot be opened", e.errno) from None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            target = os.readlink(name, dir_fd=dir_fd)
-        except OSError as e:
-            raise UntrustedPathError(here, e.strerror or "cannot be read", e.errno) from None
-        try:
-            resolve_trusted(target if target.startswith("/") else _join(libdir, target), "file")
-        except UntrustedPathError as e:
-            raise UntrustedPathError(here, f"links to {e}", e.errno) from None
-        return
-    if st.st_uid not in _owners():
-        raise UntrustedPathError(here, f"plugin {here} is owned by uid {st.st_uid}, not root")
-    who = _writable_by(st.st_mode)
-    if who is not None:
-        raise UntrustedPathError(here, f"plugin {here} is writable by {who}")
-    if not stat.S_ISREG(st.st_mode):
-        raise UntrustedPathError(here, f"plugin {here} is not a regular file", _errno.EINVAL)
-
-
-def make_private_dir(path: str, *, exist_ok: bool = True) -> str:
-    """Create `path` and its missing parents 0700 (root's alone), or check and tighten an
-    existing one; the canonical path is returned.
-
-    For the state dir and image or work dirs, where snapguard writes files it or CRIU later run
-    or trust: whoever could write such a directory could swap them. The existing part of the path
-    must be trusted as in resolve_trusted; the final directory must not be a symlink, and when it
-    exists it must already be root's alone (a directory others could write may hold what they
-    planted) before it is tightened to 0700. Modes are set with fchmod, so the umask never
-    matters. With exist_ok=False an existing final directory is refused.
-    """
-    try:
-        with _Walk(path) as walk:
-            walk.run(follow_final=False, create=True)
-            if not exist_ok and walk.canonical not in walk.created:
-                raise walk.fail("already exists", _errno.EEXIST)
-            walk.check_final("dir")
-            fd = walk.reopen(os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                st = os.fstat(fd)
-                if not walk.same_object(st):
-                    raise walk.fail(f"{walk.canonical} changed while it was opened")
-                walk.check_final("dir", st)
-                if stat.S_IMODE(st.st_mode) != 0o700:
-                    os.fchmod(fd, 0o700)
-            finally:
-                os.close(fd)
-            return walk.canonical
-    except OSError as e:
-        raise _os_failure(path, e) from None
-
-
-def private_tempdir(parent: str, prefix: str) -> str:
-    """A new directory of its own (0700) in the private directory `parent`, created if missing.
-
-    Each snapshot run writes its generated files there, so two concurrent runs never race on
-    the same names in the state dir.
-    """
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=prefix, dir=make_private_dir(parent))

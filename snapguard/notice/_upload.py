@@ -1,0 +1,184 @@
+"""Sealed images to the image store (snapguard.store, optional): streamed while CRIU writes, or
+pushed whole after the seal, under the workload's fencing epoch; the job's older images pruned;
+an upload a killed agent began swept from the store."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..reasons import Failure, Reason, SnapguardError, failure_from
+from ._state import Registry, marked
+
+__all__ = ["ImageStore", "Uploads"]
+
+
+class ImageStore(Protocol):
+    """What the agent needs of snapguard.store's Store (`open_store(url)`)."""
+
+    def put_image(self, image_dir: str, job: str, name: str, progress: Callable[..., Any] | None = None) -> Any: ...
+
+
+def _push_epoch(store: Any, w: dict[str, Any]) -> int:
+    """The fencing epoch a workload's image is pushed under: its own (`protect --epoch`), else the
+    job's current one in the store (a newer epoch taken by a replacement refuses the push with
+    FENCED)."""
+    epoch = w.get("epoch")
+    return store.current_epoch(w["job"]) if epoch is None else int(epoch)
+
+
+def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, progress: Callable[..., Any]) -> Any:
+    """Put a sealed image through whichever face the store has: `put_image(dir, job, name,
+    progress)` (the ImageStore protocol) or snapguard.store's `push(dir, job, name=, epoch=,
+    progress=Progress)` under the workload's fencing epoch (`_push_epoch`)."""
+    if hasattr(store, "put_image"):
+        return store.put_image(image, w["job"], name, progress=progress)
+    ref = store.push(image, w["job"], name=name, epoch=_push_epoch(store, w),
+                     progress=store_mod.Progress(callback=lambda state: progress(state)))
+    return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
+
+
+class Uploads:
+    """The agent's uploads to the store at `store_url`: each step journalled and logged, the
+    registry told when an image is in the store, and, with `keep`, the job's older images beyond
+    that many whole ones pruned after an upload."""
+
+    def __init__(self, store_url: str | None, keep: int | None, *, journal: Callable[..., None],
+                 log: Callable[[str], None], registry: Registry, discard: Callable[[str, str], None]) -> None:
+        self.store_url = store_url
+        self.keep = keep
+        self.journal = journal
+        self.log = log
+        self.registry = registry
+        self.discard = discard
+
+    def sweep(self, image: str, job: str | None, ev: dict[str, Any]) -> None:
+        """An upload the previous agent began and never ended: what it sent is removed from the
+        store (never marked, so never restorable; but it holds space), and a sealed image is
+        pushed again whole afterwards."""
+        url = ev.get("store") or self.store_url
+        if not url or not job:
+            return
+        name = os.path.basename(image)
+        try:
+            from .. import store as store_mod
+
+            store = store_mod.open_store(url)
+            if name in [r.name for r in store.images(job)]:  # its marker went in before the kill
+                self.journal("uploaded", key=ev.get("key"), image=image, notice=ev.get("notice"), store=url,
+                             recovered=True)
+                if ev.get("key"):
+                    self.registry.update(ev["key"], uploaded=True)
+                return
+            removed = store.discard_partial(job, name)
+        except SnapguardError as e:
+            self.log(f"could not remove the unfinished upload of {name} from {url}: {e.failure.message}")
+            return
+        self.journal("upload_swept", image=image, store=url, removed=removed)
+        self.log(f"removed the unfinished upload of {name} from {url} ({removed} part(s))")
+
+    def start_stream(self, key: str, w: dict[str, Any], image: str, notice: str) -> Any:
+        """Start sending the image to the store while CRIU writes it (snapguard.store's
+        StreamingPush); None when the store refuses or cannot be reached: the sealed image is then
+        pushed after the seal, as a restarted agent does."""
+        name = os.path.basename(image)
+        try:
+            from .. import store as store_mod
+
+            store = store_mod.open_store(str(self.store_url))
+            epoch = _push_epoch(store, w)
+            stream = store.stream(image, w["job"], name=name, epoch=epoch,
+                                  progress=store_mod.Progress(callback=self._progress_logger(name)))
+        except Exception as e:
+            f = failure_from(e)
+            self.journal("stream_refused", key=key, image=image, notice=notice, record=f.to_dict())
+            self.log(f"{name}: not streamed to {self.store_url} ({f.message}); pushing after the seal")
+            return None
+        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url, streaming=True,
+                     epoch=epoch)
+        return stream
+
+    def finish_stream(self, key: str, w: dict[str, Any], image: str, stream: Any, start: float, notice: str) -> None:
+        name = os.path.basename(image)
+        try:
+            ref = stream.finish()
+        except Exception as e:
+            self.failed(key, image, e, notice)
+            return
+        self.journal("uploaded", key=key, image=image, notice=notice, store=self.store_url, streaming=True,
+                     seconds=round(time.monotonic() - start, 3), streamed_bytes=stream.streamed_bytes,
+                     resent=stream.resent, result={"job": ref.job, "name": ref.name, "epoch": ref.epoch})
+        self.registry.update(key, uploaded=True)
+        self.log(f"uploaded {name} to {self.store_url}, whole {time.monotonic() - start:.2f} s after the snapshot "
+                 f"began ({stream.streamed_bytes >> 20} MiB of it sent while CRIU wrote)")
+        self.prune(w["job"])
+
+    def failed(self, key: str, image: str, e: Exception, notice: str | None) -> None:
+        f = failure_from(e)
+        failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"{os.path.basename(image)} to {self.store_url}: {f.message}",
+                          evidence={"image": image, "cause": f.reason.name})
+        self.journal("upload_failed", key=key, image=image, notice=notice, record=failure.to_dict())
+        self.log(failure.message)
+
+    def prune(self, job: str) -> None:
+        if not self.keep or not self.store_url:
+            return
+        try:
+            from .. import store as store_mod
+
+            gone = store_mod.open_store(self.store_url).prune(job, self.keep)
+        except SnapguardError as e:
+            self.log(f"could not prune job {job} in {self.store_url}: {e.failure.message}")
+            return
+        if gone:
+            self.journal("pruned", job=job, store=self.store_url, images=gone)
+            self.log(f"pruned {len(gone)} older image(s) of job {job} from {self.store_url}")
+
+    def _progress_logger(self, name: str) -> Callable[[dict[str, Any]], None]:
+        def report(state: dict[str, Any]) -> None:
+            eta = f", ETA {state['eta_s']:.0f} s" if state.get("eta_s") is not None else ""
+            self.log(f"uploading {name}: {state['bytes'] >> 20}/{state['total'] >> 20} MiB, "
+                     f"{state['rate_bps'] / 2**20:.0f} MiB/s{eta}")
+        return report
+
+    def upload(self, key: str, w: dict[str, Any]) -> None:
+        """Push the sealed image `w["image"]` whole (never one without its completion marker)."""
+        image = w["image"]
+        name = os.path.basename(image)
+        if not marked(image):  # never upload what is not whole
+            self.discard(image, "no completion marker at upload")
+            return
+        notice = w.get("notice")  # the notice it was taken for (the registry keeps it over a restart)
+        try:
+            import importlib
+
+            store_mod = importlib.import_module("snapguard.store")
+        except ImportError as e:
+            failure = Failure(Reason.AGENT_UPLOAD_FAILED, f"snapguard.store is not available ({e}); the sealed image "
+                              f"stays at {image}", evidence={"image": image})
+            self.journal("upload_skipped", key=key, image=image, notice=notice, record=failure.to_dict())
+            self.log(failure.message)
+            return
+        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url)
+        last = [0.0]
+
+        def progress(*args: Any, **kw: Any) -> None:
+            if time.monotonic() - last[0] >= 1.0:
+                last[0] = time.monotonic()
+                self.log(f"uploading {name}: {' '.join(map(str, args))} {kw or ''}".rstrip())
+
+        start = time.monotonic()
+        try:
+            store = store_mod.open_store(self.store_url)
+            out = _put(store_mod, store, image, w, name, progress)
+        except Exception as e:
+            self.failed(key, image, e, notice)
+            return
+        self.journal("uploaded", key=key, image=image, notice=notice, store=self.store_url,
+                     seconds=round(time.monotonic() - start, 3),
+                     result=out if isinstance(out, (str, int, float, dict, list, type(None))) else str(out))
+        self.registry.update(key, uploaded=True)
+        self.log(f"uploaded {name} to {self.store_url} in {time.monotonic() - start:.2f} s")
+        self.prune(w["job"])
