@@ -55,7 +55,7 @@ def make_launcher(base: Path, entry: str) -> tuple[Path, Path]:
     launcher = base / "snapguard-runc-launcher"
     launcher.write_bytes(build_launcher(str(conf)))
     launcher.chmod(0o755)
-    loaded = config._load({"SNAPGUARD_CONFIG": str(conf)}, ("runc",))
+    loaded = config.load_with({"SNAPGUARD_CONFIG": str(conf)}, ("runc",))
     assert loaded.source_stat is not None
     pin = config.render_launcher_pin(str(conf), config.pin_stamp(loaded.source_stat), loaded.runc, entry)
     if not config.write_pin_file(config.launcher_pin_path(str(conf)), pin):

@@ -1,5 +1,5 @@
 """How fast the take point fills its spill, by where the spill's file is: the take point's own move
-(`_Offload.take` on CPU storages, SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu's path: the ring, its draining
+(`Offload.take` on CPU storages, SNAPGUARD_TAKE_OFFLOAD_DEVICE=cpu's path: the ring, its draining
 threads, MADV_POPULATE_WRITE before each copy) into
 
   anon    the process's own memory (no spill: one anonymous mapping asked for huge pages), the
@@ -58,10 +58,10 @@ def _umount(target: str) -> None:
 
 
 def _one(torch: Any, tensors: list[Any], spill_dir: str | None) -> dict[str, Any]:
-    from snapguard.hooks._workload import _Offload
+    from snapguard.takepoint.workload.offload import Offload
 
     before = _shmem_huge_bytes()
-    offload = _Offload("cpu")
+    offload = Offload("cpu")
     t0 = time.monotonic()
     figures = offload.take(torch, tensors, spill_dir=spill_dir)
     take_s = time.monotonic() - t0

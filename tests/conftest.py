@@ -1,4 +1,6 @@
-"""Shared fixtures: a private containerd whose runc is snapguard-runc, and snapguard's config.
+"""Shared fixtures: a private containerd whose runc is snapguard-runc (snapguard_lab.testbed's one
+harness), and snapguard's config; and the markers' rule: a test marked `root` or `stack`
+(pyproject.toml) fails without root instead of skipping.
 
 containerd passes its environment to the shim and so to snapguard-runc: SNAPGUARD_CONFIG points
 at a file the tests rewrite to change what the executor sees (a missing CRIU, say).
@@ -22,6 +24,23 @@ import pytest
 from snapguard_lab.testbed import COMPAT, Containerd
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on the `containerd` fixture needs the real stack: it is marked `stack` wherever it is."""
+    ours = getattr(containerd, "__wrapped__", containerd)  # the fixture's function (pytest 8.4 wraps it)
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.get("containerd", ()) if info is not None else ()
+        if any(d.func is ours for d in defs):  # this file's fixture, not a parameter of that name
+            item.add_marker(pytest.mark.stack)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `root` or `stack` fails without root: its need is stated, never skipped."""
+    needs = [m.name for m in item.iter_markers() if m.name in ("root", "stack")]
+    if needs and os.geteuid() != 0:
+        pytest.fail(f"marked {needs[0]}: needs root (run as root, or deselect with -m 'not {needs[0]}')")
 
 
 def _installed_script(name: str) -> str:

@@ -47,6 +47,7 @@ from typing import Any
 
 from snapguard import cuda, image, pipeline
 from snapguard.config import load
+from snapguard.devicemap import DeviceMap
 from snapguard.reasons import SnapguardError
 from snapguard_lab.torch_drill import Trainer, compare
 
@@ -236,10 +237,10 @@ def main() -> int:
     rows.append(_row("stop", pid, driver, lambda: checkpoint(stop_img, leave_running=False)))
     assert run.proc is not None
     run.proc.wait(timeout=60)
-    manifest = image.verify(str(stop_img))
+    manifest = image.verify(str(stop_img)).to_json()
     old = manifest["gpu"]["gpus"][0]["uuid"]
     rows.append(_row("device-map", None, driver, lambda: pipeline.restore(
-        pipeline.CriuRunner(config.criu), request(stop_img, device_map=((old, ABSENT_GPU),)), config)))
+        pipeline.CriuRunner(config.criu), request(stop_img, device_map=DeviceMap(((old, ABSENT_GPU),))), config)))
     rows[-1]["image_whole_after"] = _whole(stop_img)
     # cuda-restore: the preflight also refuses a GPU without the image's memory free, so the memory
     # is taken in the window it cannot see: by a process that already has its CUDA context, the

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from snapguard.config import load
 from snapguard.pipeline import checkpoint_pid, restore_images
-from snapguard_lab.testbed import DdpJob
+from snapguard_lab.ddp import DdpJob
 
 
 def main() -> int:

@@ -78,7 +78,7 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CEILINGS_GB_S = {"pinned device-to-host copy": 55.0, "tmpfs write": 2.9, "disk write with fsync": 1.3}
 # a trainer's start on the H200 (python, torch, CUDA context): the part of an arm that does not grow
 FIXED_S = 20.0
-# the take point's opt-in (snapguard/hooks/_workload.py): the stepped optimizer's gradients dropped at
+# the take point's opt-in (snapguard/takepoint/workload/env.py): the stepped optimizer's gradients dropped at
 # the hold; set in this script's environment, every snapguard-arm trainer inherits it
 DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
 # the take point's move of the tensors' bytes to host memory for the hold: on unless set to 0 here

@@ -11,7 +11,7 @@
 # (lab/, the drills) in /usr/local/bin. Then exports PYTHONPATH (repo, lab, /tmp/site) and
 # snapguard's settings.
 #
-# snapguard refuses binaries and directories that anyone but root could change (snapguard/trust.py),
+# snapguard refuses binaries and directories that anyone but root could change (snapguard/trust/),
 # and these wrappers run code from this repo copy and /tmp/site as root: so everything installed
 # here is root's and writable by root alone, this repo copy is made so too, and the result is checked
 # with snapguard.trust itself before anything runs.

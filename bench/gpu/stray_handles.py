@@ -43,7 +43,7 @@ def main() -> int:
     t0 = time.perf_counter()
     node = node_report(load())
     node_s = time.perf_counter() - t0
-    procs = {p["pid"]: p for p in report.facts["processes"]}
+    procs = {p["pid"]: p for p in report.processes or []}
     stray = {f.evidence["pid"]: f.detail for f in report.findings if f.reason.name == "STRAY_GPU_DEVICE_HANDLE"}
     cuda = [p for p in procs.values() if p["gpu"]]
     summary = {"job_pid": job.pid, "verdict": report.verdict, "pid_report_s": pid_s, "node_report_s": node_s,

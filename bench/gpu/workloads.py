@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from snapguard.config import load
-from snapguard.hooks import RESOLVE_ENV, site_dir
+from snapguard.takepoint import RESOLVE_ENV, site_dir
 from snapguard_lab.matrix import ROWS, refusal_check, run_matrix, table
 from snapguard_lab.testbed import product_root
 

@@ -1,5 +1,6 @@
 """The kubelet's checkpoint path without a kubelet: a private containerd 2.x with its CRI plugin and
-a runtime handler `snapguard` whose BinaryName is snapguard-runc, a local registry, and a CRI client.
+a runtime handler `snapguard` whose BinaryName is snapguard-runc (testbed.Containerd with CRI on),
+a local registry, and a CRI client.
 
 What a node runs, in a tmp dir: containerd 2.1.9 (the "compat" stack under /opt/snapguard/compat/bin,
 packaging/install-deps.sh) with its own root, state, sockets and runc root, config version 3; its
@@ -50,41 +51,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .testbed import build_counter_image, expected_hash, release_mounts, snapguard_runc_path
+from .testbed import COMPAT, HANDLER, PAUSE_IMAGE, Containerd, build_counter_image, expected_hash
 
-__all__ = ["COMPAT_BIN", "CONTAINERD_UMASK", "COUNTER_REPO", "HANDLER", "CounterRows", "Cri", "CriContainerd",
-           "CriLab", "Registry", "api", "compat_missing", "counter_rows"]
+__all__ = ["COUNTER_REPO", "CounterRows", "Cri", "CriLab", "Registry", "api", "counter_rows", "remove_all_pods"]
 
-COMPAT = "/opt/snapguard/compat"
 COMPAT_BIN = f"{COMPAT}/bin"
 REGISTRY_BIN = "/usr/bin/docker-registry"
-HANDLER = "snapguard"  # the runtime handler (a RuntimeClass's `handler`)
 PROTO_FILE = "cri-api-v0.32.3-api.proto"
-PAUSE_IMAGE = "snapguard.local/pause:1"  # imported, never pulled: the registry does not have it
 COUNTER_REPO = "snapguard/counter"
-# containerd runs under systemd's default UMask=0022 on a node; what it creates follows it
-CONTAINERD_UMASK = 0o022
 NODE, POD, CONTAINER = 2, 0, 1  # runtime.v1.NamespaceMode
 _PAUSE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"]
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_CONFIG = "application/vnd.oci.image.config.v1+json"
 
 _api: tuple[ModuleType, ModuleType] | None = None
-
-
-def compat_missing() -> str | None:
-    """Why the compat stack (containerd 2.1.9, its shim and ctr, runc 1.3.6) is not here, or None.
-    Only its absence: a compat directory with a binary missing or broken fails at start instead."""
-    if not os.path.isdir(COMPAT):
-        return f"{COMPAT} is absent (packaging/install-deps.sh installs containerd 2.1.9 and runc 1.3.6 there)"
-    return None
-
-
-def _check_compat(bin_dir: str) -> None:
-    for name in ("containerd", "containerd-shim-runc-v2", "ctr", "runc"):
-        path = os.path.join(bin_dir, name)
-        if not os.access(path, os.X_OK):
-            raise RuntimeError(f"{path} is missing or not executable: run packaging/install-deps.sh")
 
 
 def _free_port() -> int:
@@ -375,143 +355,13 @@ class Registry:
         self.proc = None
 
 
-# ---------------------------------------------------------------- containerd with its CRI plugin
-
-class CriContainerd:
-    """containerd 2.x with CRI in its own root under `workdir`, runtime handler `snapguard`."""
-
-    def __init__(self, workdir: str, registry_host: str, env: dict[str, str], bin_dir: str = COMPAT_BIN) -> None:
-        self.workdir = Path(workdir)
-        self.bin_dir = bin_dir
-        self.registry_host = registry_host
-        self.socket = str(self.workdir / "containerd.sock")
-        self.runc_root = str(self.workdir / "runc")
-        self.env = {**os.environ, **env,
-                    # the shim from bin_dir; criu for containerd's CheckForCriu and for runc
-                    "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def root(self) -> Path:
-        return self.workdir / "root"
-
-    @property
-    def state(self) -> Path:
-        return self.workdir / "state"
-
-    def write_config(self) -> Path:
-        w = self.workdir
-        for d in ("root", "state", "tmp", "cni", "opt", "runc"):
-            (w / d).mkdir(mode=0o700, parents=True, exist_ok=True)
-        certs = w / "certs.d" / self.registry_host
-        certs.mkdir(parents=True, exist_ok=True)
-        # CRI PullImage tries https first: "tls: first record does not look like a TLS handshake"
-        (certs / "hosts.toml").write_text(
-            f'server = "http://{self.registry_host}"\n'
-            f'[host."http://{self.registry_host}"]\n  capabilities = ["pull", "resolve"]\n')
-        config = w / "config.toml"
-        config.write_text(f"""version = 3
-root = '{w}/root'
-state = '{w}/state'
-temp = '{w}/tmp'
-
-[grpc]
-  address = '{self.socket}'
-[ttrpc]
-  address = '{self.socket}.ttrpc'
-[debug]
-  address = '{w}/debug.sock'
-  level = 'info'
-[metrics]
-  address = ''
-
-[plugins]
-  [plugins.'io.containerd.cri.v1.images']
-    snapshotter = 'overlayfs'
-    [plugins.'io.containerd.cri.v1.images'.pinned_images]
-      sandbox = '{PAUSE_IMAGE}'
-    [plugins.'io.containerd.cri.v1.images'.registry]
-      config_path = '{w}/certs.d'
-  [plugins.'io.containerd.cri.v1.runtime']
-    enable_cdi = false
-    disable_apparmor = true
-    # without CAP_SYS_RESOURCE the pause spec's oomScoreAdj -998 fails in runc's nsexec
-    restrict_oom_score_adj = true
-    [plugins.'io.containerd.cri.v1.runtime'.containerd]
-      default_runtime_name = '{HANDLER}'
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{HANDLER}]
-        runtime_type = 'io.containerd.runc.v2'
-        runtime_path = '{self.bin_dir}/containerd-shim-runc-v2'
-        sandboxer = 'podsandbox'
-        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{HANDLER}.options]
-          BinaryName = '{snapguard_runc_path()}'
-          SystemdCgroup = false
-          Root = '{self.runc_root}'
-    [plugins.'io.containerd.cri.v1.runtime'.cni]
-      bin_dirs = ['{w}/cni']
-      conf_dir = '{w}/cni'
-  [plugins.'io.containerd.internal.v1.opt']
-    path = '{w}/opt'
-  [plugins.'io.containerd.nri.v1.nri']
-    disable = true
-""")
-        return config
-
-    def start(self, timeout: float = 30.0) -> None:
-        _check_compat(self.bin_dir)
-        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        config = self.write_config()
-        log = open(self.workdir / "containerd.log", "ab")
-        self.proc = subprocess.Popen([f"{self.bin_dir}/containerd", "--config", str(config)], stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-                                     umask=CONTAINERD_UMASK)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"containerd exited {self.proc.returncode}; see {self.workdir}/containerd.log")
-            if os.path.exists(self.socket) and self.ctr("version", check=False).returncode == 0:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"containerd did not answer on {self.socket}")
-
-    def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([f"{self.bin_dir}/ctr", "--address", self.socket, "--namespace", "k8s.io", *args],
-                             capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
-        if check and out.returncode != 0:
-            raise RuntimeError(f"ctr {' '.join(args)} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
-        return out
-
-    def import_image(self, tarball: str) -> None:
-        """Import and unpack (overlayfs) into CRI's namespace: nothing is pulled."""
-        self.ctr("images", "import", "--local", "--snapshotter", "overlayfs", tarball)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join((self.workdir / "containerd.log").read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            cri = Cri(self.socket)
-            try:
-                cri.remove_all_sandboxes()
-            finally:
-                cri.close()
-        except Exception:  # a broken run still stops containerd below
-            pass
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-        # rootfs and shm mounts of killed pods would otherwise keep the tree from being removed
-        release_mounts(self.workdir)
+def remove_all_pods(socket: str) -> None:
+    """Stop and remove every pod sandbox on the CRI socket (testbed.Containerd's `remove_pods`)."""
+    cri = Cri(socket)
+    try:
+        cri.remove_all_sandboxes()
+    finally:
+        cri.close()
 
 
 # ---------------------------------------------------------------- the whole lab
@@ -528,7 +378,7 @@ class CriLab:
         self.config_file = config_file
         self.state_dir = self.workdir / "snapguard-state"
         self.registry = Registry(str(self.workdir / "registry"))
-        self.containerd: CriContainerd | None = None
+        self.containerd: Containerd | None = None
         self.cri: Cri | None = None
         self.counter_image = ""  # NAME:TAG in the registry
         self.counter_digest = ""
@@ -549,11 +399,11 @@ class CriLab:
         self.registry.start()
         self.counter_digest = self.registry.push(COUNTER_REPO, "1", manifest, blobs)
         self.counter_image = f"{self.registry.host}/{COUNTER_REPO}:1"
-        self.containerd = CriContainerd(str(self.workdir / "containerd"), self.registry.host, {
+        self.containerd = Containerd(str(self.workdir / "containerd"), {
             "SNAPGUARD_RUNC": f"{COMPAT_BIN}/runc",
             "SNAPGUARD_CONFIG": self.config_file,
             "SNAPGUARD_STATE_DIR": str(self.state_dir),
-        })
+        }, stack="compat", cri=True, registry_host=self.registry.host, remove_pods=remove_all_pods)
         self.containerd.start()
         self.containerd.import_image(pause_tar)
         self.cri = Cri(self.containerd.socket)

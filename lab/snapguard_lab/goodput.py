@@ -64,7 +64,7 @@ from typing import Any
 from snapguard import gpu_suspend
 from snapguard import plan as planner
 from snapguard.config import Config, load
-from snapguard.hooks import site_dir
+from snapguard.takepoint import site_dir
 from snapguard.notice import Registry, agent_dir, post_notice, read_journal
 from snapguard.pipeline import restore_from
 from snapguard.reasons import SnapguardError, failure_from

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from snapguard.config import Config
-from snapguard.hooks import site_dir
+from snapguard.takepoint import site_dir
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import Phase, SnapguardError
 
@@ -376,7 +376,7 @@ def refusal_check(row: Row, workdir: str | Path, config: Config, *, device: str 
     """The row's trainer without the blockers' resolution (the hook with SNAPGUARD_RESOLVE_BLOCKERS=0,
     or no hook at all): a leave-running snapshot must be refused before anything is frozen, with the
     processes named, and the trainer must go on to its last step."""
-    from snapguard.hooks import RESOLVE_ENV
+    from snapguard.takepoint import RESOLVE_ENV
 
     label = f"{row.name}-{'hook-resolve-off' if hooked and not resolve else 'hooked' if hooked else 'no-hook'}"
     base = Path(workdir) / label

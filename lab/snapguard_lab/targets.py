@@ -7,7 +7,7 @@ through one of snapguard's two entry points:
         `snapguard restore --images DIR` snapshot it (snapguard runs CRIU itself). The record of a
         run goes into the image directory, and only when that directory exists.
   runc  the workload is a runc container (a bundle of bind mounts of this host's own directories,
-        see testbed.host_bundle) driven directly through snapguard-runc as containerd would drive
+        see bundles.host_bundle) driven directly through snapguard-runc as containerd would drive
         it, no containerd needed: `snapguard-runc --root R run -d` (passed through to runc), then
         `snapguard-runc --root R --log L --log-format json checkpoint --image-path I --work-path W`
         and `... restore --image-path I --work-path W --bundle B --detach --pid-file P`. The record
@@ -44,9 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapguard.hooks import site_dir
+from snapguard.takepoint import site_dir
 
-from .testbed import RUNC, CounterLog, host_bundle, product_root, release_mounts, snapguard_runc_path
+from .bundles import RUNC, host_bundle, release_mounts
+from .testbed import CounterLog, product_root, snapguard_runc_path
 
 __all__ = ["COUNTER", "CRIU", "IDLE_TRAINER", "KINDS", "RESULT_NAME", "BareTarget", "RuncTarget", "Target",
            "criu_wrapper", "failing_tool", "image_files", "make_target", "snapguard_path", "typed_lines", "wait_gone",

@@ -1,10 +1,12 @@
-"""A private containerd whose runc is snapguard-runc, the counter workload image, and runc
-bundles whose rootfs is bind mounts of the host's own directories.
+"""The one containerd harness of the lab and the tests (`Containerd`: a private containerd whose
+runc is snapguard-runc, with or without its CRI plugin), the counter workload, its image and its log.
 
-Used by `snapguard-lab drill`, the tests and the benchmarks: containerd runs in its own root with
-its own socket, so nothing of a node's real containerd is touched. The image is built locally from
-the counter workload (package data, `workloads/counter`) and the host's static busybox; nothing is
-pulled.
+Used by `snapguard-lab drill`, the tests (tests/conftest.py's `containerd` fixture, the CRI lab of
+snapguard_lab.cri, `snapguard install` against a real containerd) and the benchmarks: containerd
+runs in its own root with its own socket, so nothing of a node's real containerd is touched. The
+image is built locally from the counter workload (package data, `workloads/counter`) and the host's
+static busybox; nothing is pulled. Bundles of the host's directories are snapguard_lab.bundles, the
+ddp job snapguard_lab.ddp.
 """
 
 from __future__ import annotations
@@ -13,24 +15,25 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import snapguard
-from snapguard.hooks import site_dir
 
 from . import workloads
+from .bundles import RUNC, release_mounts
+from .containerd_config import cri_config, plain_config
 
-__all__ = ["COMPAT", "COUNTER_IMAGE", "COUNTER_SCRIPT", "Containerd", "CounterLog", "DDP_LAUNCH", "DdpJob", "STACKS",
-           "Stack", "build_counter_image", "expected_hash", "host_bundle", "product_root", "release_mounts",
-           "snapguard_runc_path"]
+__all__ = ["COMPAT", "CONTAINERD_UMASK", "COUNTER_IMAGE", "COUNTER_SCRIPT", "Containerd", "CounterLog", "HANDLER",
+           "MODULUS", "PAUSE_IMAGE", "STACKS", "SYSTEM_PATH", "Stack", "build_counter_image", "compat_missing",
+           "expected_hash", "product_root", "snapguard_runc_path"]
 
 COUNTER_IMAGE = "snapguard.local/counter:1"
 BUSYBOX = "/bin/busybox"
@@ -38,8 +41,12 @@ CTR = "/usr/bin/ctr"
 CONTAINERD = "/usr/bin/containerd"
 COUNTER_SCRIPT = workloads.path("counter", "counter.sh")
 MODULUS = 1_000_000_007
-RUNC = "/usr/sbin/runc"
 COMPAT = "/opt/snapguard/compat"  # packaging/install-deps.sh: Debian unstable's containerd and runc
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HANDLER = "snapguard"  # the CRI runtime handler (a RuntimeClass's `handler`)
+PAUSE_IMAGE = "snapguard.local/pause:1"  # imported, never pulled: a lab registry does not have it
+# containerd runs under systemd's default UMask=0022 on a node; what it creates follows it
+CONTAINERD_UMASK = 0o022
 
 
 @dataclass(frozen=True)
@@ -181,25 +188,51 @@ class CounterLog:
 
 
 class Containerd:
-    """containerd in its own root under `workdir`, stopped (with its tasks) by `stop`.
+    """containerd in its own root under `workdir` with its own socket: `start` it and `stop` it (its
+    containers or pods with it), or use it as a context manager.
 
-    `stack` picks the containerd, ctr and real runc (`STACKS`): "debian12" (the default) or
-    "compat". On the compat stack containerd gets its own shim first in PATH, and snapguard-runc
-    (which containerd's environment reaches through the shim) `SNAPGUARD_RUNC` set to the stack's
-    runc, unless `env` names another."""
+    - `stack` picks the containerd, ctr and real runc (`STACKS`): "debian12" (the default) or
+      "compat". A stack with a bin_dir gets it first in containerd's PATH (its shim is found there),
+      and snapguard-runc (which containerd's environment reaches through the shim) `SNAPGUARD_RUNC`
+      set to the stack's runc, unless `env` names another.
+    - `cri` off (the default): no CRI plugin; ctr works in a namespace of its own per stack and the
+      runc of each container is named at `ctr run` (`run_counter`). On: containerd's CRI plugin
+      with the runtime handler `HANDLER`, whose runc is `runtime_binary` (snapguard-runc unless
+      named) with its root at `runc_root`, images resolved from the http registry at
+      `registry_host`; ctr works in CRI's namespace k8s.io, containerd runs with the system's PATH
+      (criu for its CheckForCriu and for runc) under systemd's umask, and `stop` first hands the
+      socket to `remove_pods` (snapguard_lab.cri.remove_all_pods), then releases every mount left
+      under `workdir`.
+    - `config`: a config file the caller wrote, used as it is instead of the one `write_config`
+      writes; `socket` is then the address it names (workdir/containerd.sock unless given).
+    """
 
-    def __init__(self, workdir: str, env: dict[str, str] | None = None, stack: str = "debian12") -> None:
+    def __init__(self, workdir: str, env: dict[str, str] | None = None, stack: str = "debian12", *,
+                 cri: bool = False, config: str | None = None, socket: str | None = None,
+                 runtime_binary: str | None = None, registry_host: str | None = None,
+                 remove_pods: Callable[[str], None] | None = None) -> None:
         self.workdir = Path(workdir)
         self.stack = STACKS[stack]
-        self.socket = str(self.workdir / "containerd.sock")
-        stack_env: dict[str, str] = {}
+        self.cri = cri
+        self.config = Path(config) if config else None
+        self.socket = socket or str(self.workdir / "containerd.sock")
+        self.runtime_binary = runtime_binary
+        self.registry_host = registry_host
+        self.remove_pods = remove_pods
+        stack_env: dict[str, str] = {"PATH": SYSTEM_PATH} if cri else {}
         if self.stack.bin_dir:
-            stack_env = {"PATH": f"{self.stack.bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                         "SNAPGUARD_RUNC": self.stack.runc}
+            stack_env = {"PATH": f"{self.stack.bin_dir}:{SYSTEM_PATH}", "SNAPGUARD_RUNC": self.stack.runc}
         self.env = {**os.environ, **stack_env, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
-        # its own namespace per stack: runc's root (below) is shared by every containerd on the host
-        self.namespace = "snapguard" if stack == "debian12" else f"snapguard-{stack}"
+        # CRI's namespace; else one per stack: runc's root (below) is shared by every containerd on the host
+        self.namespace = "k8s.io" if cri else "snapguard" if stack == "debian12" else f"snapguard-{stack}"
+
+    def __enter__(self) -> Containerd:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
     @property
     def runc(self) -> str:
@@ -207,40 +240,64 @@ class Containerd:
         return self.stack.runc
 
     @property
+    def bin_dir(self) -> str:
+        """The directory of this stack's containerd (and its shim)."""
+        return self.stack.bin_dir or os.path.dirname(self.stack.containerd)
+
+    @property
     def runc_root(self) -> str:
-        """runc's --root for this namespace: the shim keeps its containers there."""
-        return f"/run/containerd/runc/{self.namespace}"
+        """runc's --root for this containerd's containers: the shim keeps them there."""
+        return str(self.workdir / "runc") if self.cri else f"/run/containerd/runc/{self.namespace}"
 
-    def _config(self) -> str:
-        common = (f'root = "{self.workdir}/root"\n'
-                  f'state = "{self.workdir}/state"\n')
-        listen = (f'[grpc]\n  address = "{self.socket}"\n'
-                  f'[ttrpc]\n  address = "{self.socket}.ttrpc"\n'
-                  '[debug]\n  address = ""\n'
-                  '[metrics]\n  address = ""\n')
-        if self.stack.config_version == 2:
-            return ("version = 2\n" + common +
-                    'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n' + listen +
-                    '[plugins."io.containerd.runtime.v2.task"]\n'
-                    f'  state = "{self.workdir}/state/v2"\n')
-        # containerd 2.x: the CRI service and NRI off (NRI's socket is host-wide); its temp dir
-        # (TMPDIR of the shim: `ctr containers checkpoint` images) and opt dir inside workdir
-        return ("version = 3\n" + common + f'temp = "{self.workdir}/tmp"\n'
-                'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.nri.v1.nri"]\n' + listen +
-                "[plugins.'io.containerd.internal.v1.opt']\n"
-                f'  path = "{self.workdir}/opt"\n')
+    @property
+    def root(self) -> Path:
+        return self.workdir / "root"
 
-    def start(self, timeout: float = 20.0) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state"
+
+    def write_config(self) -> Path:
+        """The config containerd starts with: the caller's, else one written in workdir."""
+        if self.config is not None:
+            return self.config
+        config = self.workdir / "config.toml"
+        if self.cri:
+            config.write_text(self._cri_config())
+            return config
         if self.stack.config_version >= 3:
             (self.workdir / "tmp").mkdir(exist_ok=True)
-        config = self.workdir / "config.toml"
-        config.write_text(self._config())
+        config.write_text(plain_config(self.workdir, self.socket, self.stack.config_version))
+        return config
+
+    def _cri_config(self) -> str:
+        w = self.workdir
+        if self.registry_host is None:
+            raise ValueError("a CRI containerd needs registry_host")
+        for d in ("root", "state", "tmp", "cni", "opt", "runc"):
+            (w / d).mkdir(mode=0o700, parents=True, exist_ok=True)
+        certs = w / "certs.d" / self.registry_host
+        certs.mkdir(parents=True, exist_ok=True)
+        # CRI PullImage tries https first: "tls: first record does not look like a TLS handshake"
+        (certs / "hosts.toml").write_text(
+            f'server = "http://{self.registry_host}"\n'
+            f'[host."http://{self.registry_host}"]\n  capabilities = ["pull", "resolve"]\n')
+        return cri_config(w, self.socket, self.bin_dir, self.runtime_binary or snapguard_runc_path(), self.runc_root,
+                          handler=HANDLER, pause_image=PAUSE_IMAGE)
+
+    def start(self, timeout: float | None = None) -> None:
+        for path in (self.stack.containerd, self.stack.ctr, self.stack.runc,
+                     *([f"{self.stack.bin_dir}/containerd-shim-runc-v2"] if self.stack.bin_dir else [])):
+            if not os.access(path, os.X_OK):
+                raise RuntimeError(f"{path} is missing or not executable: run packaging/install-deps.sh")
+        self.workdir.mkdir(mode=0o700 if self.cri else 0o777, parents=True, exist_ok=True)
+        config = self.write_config()
         log = open(self.workdir / "containerd.log", "ab")
         self.proc = subprocess.Popen([self.stack.containerd, "--config", str(config)], stdout=log, stderr=log,
-                                     env=self.env, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+                                     umask=CONTAINERD_UMASK if self.cri else -1)
         log.close()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout or (30.0 if self.cri else 20.0))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"containerd exited {self.proc.returncode}; see {self.workdir}/containerd.log")
@@ -253,16 +310,21 @@ class Containerd:
         out = subprocess.run([self.stack.ctr, "--address", self.socket, "--namespace", self.namespace, *args],
                              capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
         if check and out.returncode != 0:
-            raise RuntimeError(f"ctr {' '.join(args)} exited {out.returncode}: {out.stderr.strip()}")
+            raise RuntimeError(f"ctr {' '.join(args)} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
         return out
+
+    def import_image(self, tarball: str) -> None:
+        """Import and unpack an OCI layout tarball: nothing is pulled. With CRI on, overlayfs in
+        CRI's namespace (what a pod's image needs); else the native snapshotter."""
+        # ctr 2.x imports through containerd's transfer service, which unpacks only for the
+        # platforms and snapshotters its config names; --local imports as ctr 1.6 does
+        local = ["--local"] if self.stack.config_version >= 3 else []
+        self.ctr("images", "import", *local, "--snapshotter", "overlayfs" if self.cri else "native", tarball)
 
     def import_counter_image(self) -> str:
         tarball = self.workdir / "counter-image.tar"
         name = build_counter_image(str(tarball))
-        # ctr 2.x imports through containerd's transfer service, which unpacks only for the
-        # platforms and snapshotters its config names; --local imports as ctr 1.6 does
-        local = ["--local"] if self.stack.config_version >= 3 else []
-        self.ctr("images", "import", *local, "--snapshotter", "native", str(tarball))
+        self.import_image(str(tarball))
         return name
 
     def run_counter(self, container_id: str, out_dir: str, runc_binary: str) -> None:
@@ -300,12 +362,24 @@ class Containerd:
         self.ctr("tasks", "delete", container_id, check=False)
         self.ctr("containers", "delete", container_id, check=False)
 
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join((self.workdir / "containerd.log").read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
     def stop(self) -> None:
         if self.proc is None:
             return
-        listing = self.ctr("containers", "ls", "-q", check=False).stdout.split()
-        for cid in listing:
-            self.remove(cid)
+        if self.cri:
+            try:
+                if self.remove_pods is not None:
+                    self.remove_pods(self.socket)
+            except Exception:  # a broken run still stops containerd below
+                pass
+        else:
+            for cid in self.ctr("containers", "ls", "-q", check=False).stdout.split():
+                self.remove(cid)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=15)
@@ -313,168 +387,17 @@ class Containerd:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
-        # native snapshots and bundles may leave bind mounts behind on a killed run
-        subprocess.run(["umount", "-R", "-l", str(self.workdir / "state")], capture_output=True, check=False)
+        if self.cri:
+            # rootfs and shm mounts of killed pods would otherwise keep the tree from being removed
+            release_mounts(self.workdir)
+        else:
+            # native snapshots and bundles may leave bind mounts behind on a killed run
+            subprocess.run(["umount", "-R", "-l", str(self.workdir / "state")], capture_output=True, check=False)
 
 
-def cleanup_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-DDP_LAUNCH = workloads.path("ddp", "launch.py")
-
-
-@dataclass
-class DdpJob:
-    """A run of the ddp workload (torch.distributed, gloo) whose ranks log their loss bits per step."""
-
-    out: Path
-    world: int
-    steps: int
-    device: str = "cpu"
-    backend: str = "gloo"
-
-    def start(self, take_dir: str | None) -> subprocess.Popen[bytes]:
-        """Launch it; with take_dir, every process runs snapguard's take-point hook."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        if take_dir:
-            env["PYTHONPATH"] = os.pathsep.join([site_dir(), product_root()])
-            env["SNAPGUARD_TAKE_DIR"] = take_dir
-        log = open(self.out / "launcher.out", "ab")
-        proc = subprocess.Popen([sys.executable, str(DDP_LAUNCH), "--world", str(self.world), "--out", str(self.out),
-                                 "--steps", str(self.steps), "--device", self.device, "--backend", self.backend],
-                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        return proc
-
-    def run_uninterrupted(self, timeout: float = 300) -> DdpJob:
-        """Run it to the end without the hook: the reference a snapshotted run is compared with."""
-        rc = self.start(None).wait(timeout=timeout)
-        if rc != 0:
-            raise RuntimeError(f"reference job in {self.out} exited {rc}")
-        self.results()
-        return self
-
-    def rows(self, rank: int) -> dict[int, list[str]]:
-        """{step: [loss bits, ...]}: a step logged twice (a restore went back) has two entries."""
-        got: dict[int, list[str]] = {}
-        try:
-            lines = (self.out / f"rank{rank}.log").read_text().splitlines()
-        except FileNotFoundError:
-            return got
-        for line in lines:
-            _, step, bits, _ = line.split()
-            got.setdefault(int(step), []).append(bits)
-        return got
-
-    def wait_step(self, step: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(max(self.rows(r), default=0) >= step for r in range(self.world)):
-                return
-            time.sleep(0.02)
-        raise TimeoutError(f"job in {self.out} did not reach step {step}")
-
-    def results(self, timeout: float = 120) -> list[dict[str, str]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            paths = [self.out / f"rank{r}.result.json" for r in range(self.world)]
-            if all(p.exists() for p in paths):
-                return [json.loads(p.read_text()) for p in paths]
-            time.sleep(0.05)
-        raise TimeoutError(f"job in {self.out} did not finish")
-
-    def mismatches(self, reference: DdpJob) -> list[str]:
-        """Where this run differs from the reference: steps, loss bits, final digests."""
-        errors = []
-        if self.results() != reference.results():
-            errors.append("final digests differ")
-        for r in range(self.world):
-            want, got = reference.rows(r), self.rows(r)
-            if set(got) != set(want):
-                errors.append(f"rank {r}: steps {sorted(set(want) ^ set(got))[:5]} differ")
-            errors += [f"rank {r} step {s}: {bits} != {want.get(s)}" for s, bits in sorted(got.items())
-                       if set(bits) != set(want.get(s, []))][:5]
-        return errors
-
-
-def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
-    with open(mountinfo) as f:
-        # the fifth field, with mountinfo's octal escapes (\040 for a space) decoded
-        return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
-
-
-def release_mounts(path: Path) -> list[str]:
-    """Lazily unmount every mount at or below `path`, deepest first; the mount points released.
-
-    A bundle's rootfs can be left with mounts after a restore; removing the directory tree then
-    would go through them into the host's own directories."""
-    top = str(path).rstrip("/")
-    below = [m for m in _mount_points() if m == top or m.startswith(top + "/")]
-    for m in sorted(below, key=lambda m: m.count("/"), reverse=True):
-        subprocess.run(["umount", "-l", m], capture_output=True, check=False)
-    return below
-
-
-def _with_submounts(dirs: list[str]) -> list[str]:
-    """The directories, each followed by the mount points below it, parents before children."""
-    points = _mount_points()
-    out: list[str] = []
-    for d in dirs:
-        below = sorted({m for m in points if m.startswith(d.rstrip("/") + "/") and os.path.exists(m)},
-                       key=lambda m: (m.count("/"), m))
-        out += [d, *below]
-    return out
-
-
-def host_bundle(bundle: Path, args: list[str], env: list[str], host_dirs: list[str], *,
-                writable: dict[str, str] | None = None, devices: list[str] | None = None,
-                runc: str = RUNC) -> Path:
-    """A runc bundle whose rootfs binds the host's own directories read-only (nothing pulled).
-
-    `writable` maps container paths to host directories bound read-write; `devices` are host
-    character devices (the GPU's /dev/nvidia*) bound at the same path and allowed in the device
-    cgroup. The container stays in the host's network namespace: gloo talks over loopback, and a
-    new namespace has lo down and would need iptables for CRIU's network lock.
-    """
-    rootfs = bundle / "rootfs"
-    for d in ["proc", "dev", "sys", "tmp", "run/snapguard/take"]:
-        (rootfs / d).mkdir(parents=True, exist_ok=True)
-    binds: list[str] = []
-    # parents first, so a directory inside another bound one (a venv inside the repository) is
-    # skipped: runc restore mounts such nested binds in the host's namespace and leaves them there
-    for d in sorted(host_dirs, key=lambda p: p.rstrip("/").count("/")):
-        if any(d == b or d.startswith(b.rstrip("/") + "/") for b in binds):
-            continue  # already inside a bound directory
-        inside = rootfs / d.lstrip("/")
-        inside.parent.mkdir(parents=True, exist_ok=True)
-        # merged-/usr hosts have /lib, /bin... as symlinks: the same links in the rootfs, real
-        # directories bound (CRIU cannot restore a bind mount of a symlink)
-        if os.path.islink(d):
-            if not inside.is_symlink():
-                inside.symlink_to(os.readlink(d))
-        elif os.path.isdir(d):
-            inside.mkdir(parents=True, exist_ok=True)
-            binds.append(d)
-    subprocess.run([runc, "spec", "--bundle", str(bundle)], check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"]["readonly"] = False
-    spec["process"].update(terminal=False, cwd="/", args=args, env=env)
-    # Each mount under a bound directory (the driver's /usr/local/nvidia on the GPU machines) gets
-    # a bind of its own: runc hands CRIU every spec bind as external, while a recursive bind's
-    # submounts would be dumped, and CRIU cannot dump every filesystem.
-    spec["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["bind", "ro"]}
-                       for d in _with_submounts(binds)]
-    for inside_path, host in (writable or {}).items():
-        (rootfs / inside_path.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        spec["mounts"].append({"destination": inside_path, "type": "bind", "source": host, "options": ["rbind", "rw"]})
-    allowed = spec["linux"]["resources"].setdefault("devices", [])
-    for dev in devices or []:
-        st = os.stat(dev)
-        spec["mounts"].append({"destination": dev, "type": "bind", "source": dev, "options": ["bind", "rw"]})
-        allowed.append({"allow": True, "type": "c", "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev),
-                        "access": "rwm"})
-    spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
-    (bundle / "config.json").write_text(json.dumps(spec))
-    return bundle
+def compat_missing() -> str | None:
+    """Why the compat stack (containerd 2.1.9, its shim and ctr, runc 1.3.6) is not here, or None.
+    Only its absence: a compat directory with a binary missing or broken fails at start instead."""
+    if not os.path.isdir(COMPAT):
+        return f"{COMPAT} is absent (packaging/install-deps.sh installs containerd 2.1.9 and runc 1.3.6 there)"
+    return None

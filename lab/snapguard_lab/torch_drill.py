@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from snapguard.config import Config
-from snapguard.hooks import SPILL_TMPFS, node_spill_dir, site_dir
+from snapguard.takepoint import SPILL_TMPFS, node_spill_dir, site_dir
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import SnapguardError
 
 from . import workloads
 from .arms import DEFAULT_TORCH_ARMS, TORCH_ARMS
-from .testbed import host_bundle, product_root, release_mounts, snapguard_runc_path
+from .bundles import host_bundle, release_mounts
+from .testbed import product_root, snapguard_runc_path
 
 __all__ = ["DEFAULT_TORCH_ARMS", "TORCH_ARMS", "TRAIN", "Trainer", "compare", "run_torch_drill"]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from snapguard import image, names, prefetch
+from snapguard import image, prefetch
+from snapguard.takepoint import protocol
 from snapguard.config import load
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
@@ -205,7 +206,7 @@ def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(
                 images = tmp_path / f"{name}-{spill}-img"
                 out = t.checkpoint(images, images, leave_running=leave_running)
                 assert out.returncode == 0, out.stderr
-                ((pid, figures),) = image.verify(str(images))["take_point"].items()
+                ((pid, figures),) = image.verify(str(images)).to_json()["take_point"].items()
                 offload = figures["offload"]
                 # 4 parameters, their 4 gradients, AdamW's 3 state tensors each
                 assert offload["state"] == "moved" and offload["storages"] == 20, offload
@@ -254,7 +255,7 @@ def test_a_spill_left_by_an_executor_killed_after_its_stop_dump_goes_with_the_ne
         out = first.checkpoint(images, images)
         assert out.returncode == -signal.SIGKILL, (out.returncode, out.stderr)
         (left,) = list(spill_dir.iterdir())
-        named = names.TAKE_SPILL_SOURCE.fullmatch(left.name)
+        named = protocol.TAKE_SPILL_SOURCE.fullmatch(left.name)
         assert named is not None and named.group(1) == str(pid), left
         journal = first.state_dir / "spills"
         assert len(list(journal.iterdir())) == 1
@@ -294,7 +295,7 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
     with BareTarget(tmp_path / "held", script=HELD_TRAINER, hook=True) as t:
         t.start(lines=3)
         images = snapshot(t, "held-img")
-        manifest = image.verify(str(images))
+        manifest = image.verify(str(images)).to_json()
         assert manifest["take_point"] and all(f["ok"] for f in manifest["take_point"].values())
         pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
         data = bytearray(pages.read_bytes())
@@ -354,6 +355,6 @@ def test_take_point_drops_the_stepped_optimizers_gradients_when_asked(tmp_path: 
             # left running, the page files are hashed by the seal alone, after the stall: never
             # during the dump or the CUDA resume, which it would slow
             assert "spans_hashed_while_dumping" not in json.loads(out.stdout).get("counts", {})
-            (figures,) = image.verify(str(images))["take_point"].values()
+            (figures,) = image.verify(str(images)).to_json()["take_point"].values()
             assert figures.get("grads_dropped_bytes") == expected, figures
             assert t.advancing(), "the trainer does not step after the release"

@@ -83,3 +83,20 @@ def test_reasons_catalogue() -> None:
     names = {r["reason"] for r in rows}
     assert {"STRAY_GPU_DEVICE_HANDLE", "IMAGE_CORRUPT", "CRIU_MISSING", "GPU_MODEL_MISMATCH"} <= names
     assert snapguard("--help").stdout.count("preflight") >= 1
+
+
+def test_build_parser_reaches_every_command_with_its_help() -> None:
+    """The CLI reference is generated from build_parser(): every command's parser, help and flags."""
+    import argparse
+
+    from snapguard import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(cli.COMMANDS)
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, command in sub.choices.items():
+        assert helps[name] and command.description, name
+        assert command.prog == f"snapguard {name}"
+        if name != "drill":  # hands its argv to snapguard-lab drill
+            assert all(a.help for a in command._actions), name

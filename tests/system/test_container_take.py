@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from snapguard import image
-from snapguard.hooks import site_dir
-from snapguard.names import SPILL_TMPFS
-from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
+from snapguard.takepoint import site_dir
+from snapguard.takepoint.protocol import SPILL_TMPFS
+from snapguard_lab.bundles import host_bundle, release_mounts
+from snapguard_lab.ddp import DDP_LAUNCH, DdpJob
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
@@ -125,7 +126,7 @@ def test_container_spills_through_a_bind_of_a_host_tmpfs(leave_running: bool, tm
         job.wait_step(5)
         img = tmp_path / "image"
         box.checkpoint(img, tmp_path / "work", leave_running)
-        ((key, figures),) = image.verify(str(img))["take_point"].items()
+        ((key, figures),) = image.verify(str(img)).to_json()["take_point"].items()
         offload = figures["offload"]
         assert offload["state"] == "moved" and "spill" in offload, offload
         held = img / offload["spill"]["file"]

@@ -8,9 +8,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 
 from snapguard_lab.drill import drill_exit, drill_leave_running
 from snapguard_lab.testbed import Containerd, CounterLog
+
+pytestmark = pytest.mark.stack
 
 
 def test_leave_running_checkpoint_and_restore_continue_exactly(

@@ -16,9 +16,11 @@ import pytest
 from snapguard.config import load
 from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import Reason, SnapguardError
-from snapguard_lab.testbed import DdpJob
+from snapguard_lab.ddp import DdpJob
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
+
+pytestmark = pytest.mark.stack  # CRIU
 
 STEPS = 80  # long enough that no job finishes while a loaded CI machine snapshots it
 

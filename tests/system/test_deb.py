@@ -58,7 +58,7 @@ def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> 
             "/etc/snapguard/config.toml", "/lib/systemd/system/snapguard-preflight.service",
             "/lib/systemd/system/snapguard-spill.service"} <= set(paths)
     site = next(p for p in paths if p.endswith("/site-packages"))
-    assert {f"{site}/snapguard/hooks/site/sitecustomize.py", f"{site}/snapguard/_procscan.abi3.so",
+    assert {f"{site}/snapguard/takepoint/site/sitecustomize.py", f"{site}/snapguard/_procscan.abi3.so",
             f"{site}/prometheus_client/__init__.py", f"{site}/snapguard/_c_helpers/runc_launcher.c",
             f"{site}/snapguard/_c_helpers/runc_argv_table.h"} <= set(paths)
     assert not any("distutils-precedence.pth" in p for p in paths)  # nothing runs at every start

@@ -119,6 +119,7 @@ def runc_bundle(tmp_path: Path) -> Path:
     return bundle
 
 
+@pytest.mark.stack
 def test_real_runc_lifecycle_through_executor(runc_bundle: Path, tmp_path: Path, snapguard_runc: str) -> None:
     """create, start, state, ps, exec, events, kill, delete with the real runc behind snapguard-runc."""
     root = tmp_path / "runc-root"

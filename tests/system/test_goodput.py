@@ -38,6 +38,7 @@ def test_schedule_is_seeded_and_scaled() -> None:
     assert 3.5 < notices < 6.5 and all(30 <= e.lead <= 120 for s in ref for e in s if e.kind == "notice")
 
 
+@pytest.mark.stack
 def test_goodput_drill_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     if os.geteuid() != 0:

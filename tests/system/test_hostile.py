@@ -42,6 +42,8 @@ TYPED = re.compile(r"^snapguard ([A-Z][A-Z0-9_]+): \S")
 MANIFEST = image.MANIFEST_NAME
 MARKER = image.MARKER_NAME
 
+pytestmark = pytest.mark.stack  # snapguard as root on the real runc and CRIU
+
 COUNTER = """
 import sys, time
 i = 0

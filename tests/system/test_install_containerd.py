@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -32,9 +31,9 @@ import pytest
 
 from snapguard.names import MANIFEST_NAME
 from snapguard_lab import cri as crilab
-from snapguard_lab.testbed import COUNTER_IMAGE, build_counter_image, release_mounts, snapguard_runc_path
+from snapguard_lab.testbed import COUNTER_IMAGE, Containerd, build_counter_image, compat_missing, snapguard_runc_path
 
-pytestmark = pytest.mark.containerd
+pytestmark = pytest.mark.stack
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
 CONTAINERD_16 = "/usr/bin/containerd"
@@ -96,48 +95,6 @@ state = "{w}/state"
 """
 
 
-class Containerd16:
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
-        self.w = workdir
-        self.socket = str(workdir / "containerd.sock")
-        self.env = {**os.environ, **env, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["/usr/bin/ctr", "--address", self.socket, "--namespace", "k8s.io", *args],
-                              capture_output=True, text=True, timeout=120, env=self.env)
-
-    def start(self) -> None:
-        log = open(self.w / "containerd.log", "ab")
-        self.proc = subprocess.Popen([CONTAINERD_16, "--config", str(self.w / "config.toml")], stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True, umask=0o022)
-        log.close()
-        deadline = time.monotonic() + 30
-        while self.ctr("version").returncode != 0:
-            assert self.proc.poll() is None, (self.w / "containerd.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "containerd 1.6 did not answer"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            cri = crilab.Cri(self.socket)
-            try:
-                cri.remove_all_sandboxes()
-            finally:
-                cri.close()
-        except Exception:  # a broken run still stops containerd below
-            pass
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        release_mounts(self.w)
-
-
 def test_containerd_16_loads_the_dropin_and_runs_a_pod_through_it(tmp_path: Path, root_only: None) -> None:
     w = tmp_path / "ctd16"
     w.mkdir(mode=0o700)
@@ -163,7 +120,8 @@ def test_containerd_16_loads_the_dropin_and_runs_a_pod_through_it(tmp_path: Path
 
     # containerd 1.6 with it: a pod through the `snapguard` handler; the shim's runc is
     # snapguard-runc reading the config `snapguard install` wrote (it caches the runc it pinned)
-    ctd = Containerd16(w, {"SNAPGUARD_CONFIG": str(installed), "SNAPGUARD_STATE_DIR": str(w / "sgstate")})
+    ctd = Containerd(str(w), {"SNAPGUARD_CONFIG": str(installed), "SNAPGUARD_STATE_DIR": str(w / "sgstate")},
+                     cri=True, config=str(w / "config.toml"), remove_pods=crilab.remove_all_pods)
     ctd.start()
     try:
         plugins = ctd.ctr("plugins", "ls").stdout
@@ -171,7 +129,7 @@ def test_containerd_16_loads_the_dropin_and_runs_a_pod_through_it(tmp_path: Path
                    for line in plugins.splitlines()), plugins
         tarball = w / "counter.tar"
         build_counter_image(str(tarball))
-        imported = ctd.ctr("images", "import", "--snapshotter", "overlayfs", str(tarball))
+        imported = ctd.ctr("images", "import", "--snapshotter", "overlayfs", str(tarball), check=False)
         assert imported.returncode == 0, imported.stderr
         client = crilab.Cri(ctd.socket)
         try:
@@ -190,7 +148,8 @@ def test_containerd_16_loads_the_dropin_and_runs_a_pod_through_it(tmp_path: Path
             assert runtime["Name"] == "io.containerd.runc.v2"
             assert os.path.realpath(snapguard_runc_path()).encode() in base64.b64decode(runtime["Options"]["value"])
             # and a snapshot of it through the same runtime: snapguard-runc's guarded checkpoint
-            ck = ctd.ctr("tasks", "checkpoint", "--image-path", str(w / "image"), "--work-path", str(w / "work"), cid)
+            ck = ctd.ctr("tasks", "checkpoint", "--image-path", str(w / "image"), "--work-path", str(w / "work"), cid,
+                         check=False)
             assert ck.returncode == 0, ck.stderr + (w / "containerd.log").read_text()[-2000:]
             assert (w / "image" / MANIFEST_NAME).is_file() and (w / "work" / "snapguard-result.json").is_file()
             assert client.state(cid) == "CONTAINER_RUNNING"  # leave-running
@@ -213,12 +172,12 @@ def test_containerd_16_loads_the_dropin_and_runs_a_pod_through_it(tmp_path: Path
 def lab_through_install(tmp_path: Path, root_only: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[crilab.CriLab]:
     """The lab's CRI containerd 2.1.9, its `snapguard` runtime taken out of the config it writes
     (the default runtime `runc` instead) and added back by `snapguard install`'s drop-in."""
-    why = crilab.compat_missing()
+    why = compat_missing()
     if why:
         pytest.skip(f"the compat stack is not installed: {why}")
-    original = crilab.CriContainerd.write_config
+    original = Containerd.write_config
 
-    def write_config(self: crilab.CriContainerd) -> Path:
+    def write_config(self: Containerd) -> Path:
         config = original(self)
         handler = crilab.HANDLER
         text = (config.read_text()
@@ -233,7 +192,7 @@ def lab_through_install(tmp_path: Path, root_only: None, monkeypatch: pytest.Mon
                  "--snapguard-runc", snapguard_runc_path())
         return config
 
-    monkeypatch.setattr(crilab.CriContainerd, "write_config", write_config)
+    monkeypatch.setattr(Containerd, "write_config", write_config)
     config = tmp_path / "snapguard-config.toml"  # SNAPGUARD_CONFIG of the shim's snapguard-runc
     config.write_text("")
     lab = crilab.CriLab(str(tmp_path / "lab"), str(config))

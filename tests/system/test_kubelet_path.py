@@ -29,9 +29,10 @@ import pytest
 
 from snapguard.image import verify
 from snapguard.names import MANIFEST_NAME, MARKER_NAME, RESULT_NAME
-from snapguard_lab.cri import CONTAINERD_UMASK, COUNTER_REPO, CounterRows, CriLab, compat_missing, counter_rows
+from snapguard_lab.cri import COUNTER_REPO, CounterRows, CriLab, counter_rows
+from snapguard_lab.testbed import CONTAINERD_UMASK, compat_missing
 
-pytestmark = pytest.mark.containerd
+pytestmark = pytest.mark.stack
 
 POD, NAMESPACE, NAME = "ckpt-pod", "default", "counter"
 # what checkpointctl reads and containerd writes beside checkpoint/ (containerd 2.1.9,
@@ -193,7 +194,7 @@ def test_checkpoint_container_writes_checkpointctl_layout_with_snapguards_seal_i
     for n in image:
         (unpacked / n).write_bytes(ck.data[f"checkpoint/{n}"])
         os.chmod(unpacked / n, image_modes[n])
-    manifest = verify(str(unpacked))
+    manifest = verify(str(unpacked)).to_json()
     assert set(manifest["files"]) == image - {MANIFEST_NAME, MARKER_NAME}
     marker = json.loads(ck.data[f"checkpoint/{MARKER_NAME}"])
     assert marker["manifest_sha256"] == hashlib.sha256(ck.data[f"checkpoint/{MANIFEST_NAME}"]).hexdigest()

@@ -88,7 +88,7 @@ def check_sealed(t: Target, images: Path, record: dict[str, Any], leave_running:
     assert all(stat.S_ISREG(m) for m in modes.values()), modes
     assert {n: oct(stat.S_IMODE(m)) for n, m in modes.items() if stat.S_IMODE(m) != 0o600} == {}
     assert {MANIFEST_NAME, MARKER_NAME} <= set(modes)
-    manifest = image.verify(str(images))
+    manifest = image.verify(str(images)).to_json()
     assert manifest["leave_running"] is leave_running
     assert "network_lock" in manifest
     assert manifest["processes"] and all({"pid", "nspid"} <= set(p) for p in manifest["processes"])

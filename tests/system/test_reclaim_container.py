@@ -18,7 +18,7 @@ from snapguard.names import RESULT_NAME
 from snapguard_lab.targets import RuncTarget, typed_lines
 
 EXE = os.path.join(os.path.dirname(sys.executable), "snapguard")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc, CRIU)")
+pytestmark = pytest.mark.stack  # runc, CRIU
 
 
 def journal(target: RuncTarget) -> list[dict]:

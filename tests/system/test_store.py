@@ -24,7 +24,7 @@ from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CRIU, network namespaces)")
+pytestmark = pytest.mark.root  # CRIU, network namespaces
 
 
 def values(log: Path) -> list[tuple[int, int]]:
@@ -141,7 +141,7 @@ def test_round_trip_verified_while_read(store_url: str, sealed: Path, tmp_path: 
     assert ref.complete and seen and seen[-1]["bytes"] == seen[-1]["total"] > 0
     assert store.newest("job1") == ref.__class__(store.url, "job1", ref.name, True, 0)
     pulled = store.pull(ref, str(tmp_path / "dest"))
-    assert image.verify(pulled.image_dir)["files"] == image.verify(str(sealed))["files"]
+    assert image.verify(pulled.image_dir).to_json()["files"] == image.verify(str(sealed)).to_json()["files"]
     assert pulled.digests == {n: e["sha256"] for n, e in pulled.manifest["files"].items()}
     assert os.stat(pulled.image_dir).st_mode & 0o777 == 0o700
     for f in Path(pulled.image_dir).iterdir():
@@ -469,7 +469,7 @@ def test_pull_of_a_file_of_several_spans_and_into_a_full_file_system(tmp_path: P
     shutil.copytree(sealed, img)
     block = os.urandom(1 << 20)
     (img / "pages-1.img").write_bytes(block * (2 * (SPAN >> 20)) + os.urandom(5))  # 2 spans + 5 bytes
-    fields = {k: v for k, v in image.verify(str(sealed)).items() if k not in ("files", "image_bytes")}
+    fields = {k: v for k, v in image.verify(str(sealed)).to_json().items() if k not in ("files", "image_bytes")}
     image.seal(str(img), fields)
     store = open_store(f"file://{tmp_path}/store")
     ref = store.push(str(img), "job1")

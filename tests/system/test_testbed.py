@@ -1,4 +1,4 @@
-"""testbed.host_bundle's mount list: every mount under a bound host directory gets its own bind
+"""bundles.host_bundle's mount list: every mount under a bound host directory gets its own bind
 (runc hands CRIU spec binds as external mounts), a directory inside a bound one none; and
 release_mounts, which keeps a bundle's removal from reaching through a leftover mount into the
 host. Checked against real tmpfs mounts."""
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.testbed import host_bundle, release_mounts
+from snapguard_lab.bundles import host_bundle, release_mounts
+
+pytestmark = pytest.mark.root  # real tmpfs mounts
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from snapguard_lab.torch_drill import run_torch_drill
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
 
+pytestmark = pytest.mark.stack  # CRIU, runc
+
 SMALL_CPU = ("--device", "cpu", "--width", "48", "--layers", "1", "--batch", "1")
 
 

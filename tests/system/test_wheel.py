@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.testbed import DDP_LAUNCH, DdpJob, host_bundle, release_mounts
+from snapguard_lab.bundles import host_bundle, release_mounts
+from snapguard_lab.ddp import DDP_LAUNCH, DdpJob
 from tests.launcher_compiler import pinned_compiler_usable
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80
-RUNTIME_FILES = ["snapguard/hooks/site/sitecustomize.py", "snapguard/manifest.schema.json", "snapguard/py.typed",
-                 "snapguard/_procscan.abi3.so", "snapguard/hooks/_workload.py", "snapguard/install.py",
+RUNTIME_FILES = ["snapguard/takepoint/site/sitecustomize.py", "snapguard/image/manifest.schema.json", "snapguard/py.typed",
+                 "snapguard/_procscan.abi3.so", "snapguard/takepoint/workload/server.py", "snapguard/install/__init__.py",
                  "snapguard/metrics.py", "snapguard/shim/entry.py"]
 # the pass-through launcher's sources (c_helpers/), which `snapguard install` compiles on the node;
 # setup.py's build_py copies them there (the source tree has no snapguard/_c_helpers)
@@ -120,9 +121,9 @@ def test_wheel_is_abi3_and_carries_the_runtime_files(wheel: Path) -> None:
 
 def test_fresh_install_runs_from_itself(fresh: Path) -> None:
     py = str(fresh / "bin" / "python")
-    out = subprocess.run([py, "-c", "import json, snapguard, snapguard._procscan, snapguard.hooks as h, os, importlib.resources as r;"
+    out = subprocess.run([py, "-c", "import json, snapguard, snapguard._procscan, snapguard.takepoint as h, os, importlib.resources as r;"
                           "print(json.dumps([snapguard.__file__, h.site_dir(), os.listdir(h.site_dir()),"
-                          "r.files('snapguard').joinpath('manifest.schema.json').is_file()]))"],
+                          "r.files('snapguard.image').joinpath('manifest.schema.json').is_file()]))"],
                          capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     module, site_dir, listing, schema = json.loads(out.stdout)
@@ -134,6 +135,7 @@ def test_fresh_install_runs_from_itself(fresh: Path) -> None:
     assert any(r["reason"] == "TAKE_POINT_TIMEOUT" for r in json.loads(reasons.stdout))
 
 
+@pytest.mark.root
 def test_snapguard_install_from_the_wheel_builds_the_launcher(fresh: Path, tmp_path: Path) -> None:
     """The wheel's `snapguard install` finds the launcher's sources in its own site-packages (not the
     repository's c_helpers/) and, where the pinned compiler exists, compiles the launcher beside the
@@ -196,6 +198,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> DdpJob:
     return DdpJob(tmp_path_factory.mktemp("reference"), 1, STEPS).run_uninterrupted()
 
 
+@pytest.mark.stack
 def test_take_point_from_the_wheel_install(tmp_path: Path, fresh: Path, reference: DdpJob) -> None:
     """test_container_take's stop + restore, with everything snapguard from the fresh install: the
     trainer (this venv's Python, for torch) sees only the install's site-packages, not the
@@ -203,7 +206,7 @@ def test_take_point_from_the_wheel_install(tmp_path: Path, fresh: Path, referenc
     if os.geteuid() != 0:
         pytest.fail("runc containers need root (CI and the README's test command run as root)")
     site = _site(fresh)
-    hooks = site / "snapguard" / "hooks" / "site"
+    hooks = site / "snapguard" / "takepoint" / "site"
     out = tmp_path / "out"
     out.mkdir()
     job = DdpJob(out, 1, STEPS)

@@ -25,13 +25,16 @@ import pytest
 
 from snapguard import procfs
 from snapguard.config import load
-from snapguard.hooks import RESOLVE_ENV, site_dir, take
+from snapguard.takepoint import RESOLVE_ENV, site_dir
+from snapguard.takepoint import client as take
 from snapguard.preflight import workload
 from snapguard.reasons import Reason, Severity, SnapguardError
 from snapguard_lab.matrix import ROWS, run_row, table
 from tests.unit.test_workload import _fake_proc
 
 pytest.importorskip("torch")  # in the test extra: a skip here means the install is broken
+
+pytestmark = pytest.mark.stack  # CRIU, and mount namespaces for the fork handler
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,9 +1,11 @@
-"""The import graph: layers that point down and a product that never imports the lab (the
-import-linter contracts in pyproject.toml), no cycles between modules, and no module importing
-another package's private module (`pkg._x` belongs to `pkg`)."""
+"""The import graph: layers that point down, a take point whose workload side (it runs inside the
+user's trainer) imports nothing of snapguard but the take point's protocol, and a product that
+never imports the lab (the import-linter contracts in pyproject.toml); no cycles between modules,
+and no module importing another package's private module (`pkg._x` belongs to `pkg`)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -17,14 +19,53 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
-    return grimp.build_graph("snapguard", "snapguard_lab")
+    return grimp.build_graph("snapguard", "snapguard_lab", cache_dir=None)  # nothing written: any user runs it
 
 
 def test_import_linter_contracts_hold() -> None:
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
     out = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "2 kept, 0 broken" in out.stdout
+    assert "3 kept, 0 broken" in out.stdout
+
+
+# what the trainer's interpreter loads of snapguard: the packages on the way and the protocol
+WORKLOAD_MAY_LOAD = {"snapguard", "snapguard.takepoint", "snapguard.takepoint.protocol"}
+
+
+def test_the_take_points_package_imports_only_its_protocol_and_workload_side(graph: grimp.ImportGraph) -> None:
+    """Importing snapguard.takepoint.protocol runs the package's __init__ first: it stays light."""
+    assert graph.find_modules_directly_imported_by("snapguard.takepoint") <= {
+        "snapguard.takepoint.protocol", "snapguard.takepoint.workload"}
+    assert {i for i in graph.find_modules_directly_imported_by("snapguard.takepoint.protocol")
+            if i.startswith("snapguard")} == set()
+    assert graph.find_modules_directly_imported_by("snapguard") == set()
+
+
+def test_the_site_hook_imports_the_take_points_face_alone() -> None:
+    """sitecustomize (a directory put on the trainer's PYTHONPATH, not a package import-linter
+    sees) imports of snapguard the take point's package and its protocol, nothing else."""
+    site = REPO / "snapguard" / "takepoint" / "site" / "sitecustomize.py"
+    imported = set()
+    for node in ast.walk(ast.parse(site.read_text(), str(site))):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    ours = {m for m in imported if m == "snapguard" or m.startswith("snapguard.")}
+    assert ours and ours <= {"snapguard.takepoint", "snapguard.takepoint.protocol"}, ours
+
+
+def test_the_workload_side_loads_nothing_of_snapguard_but_the_protocol() -> None:
+    """In a fresh interpreter, as in the trainer: the workload side and what it pulls in."""
+    code = ("import sys, snapguard.takepoint.workload\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] == 'snapguard')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert "snapguard.takepoint.workload" in loaded
+    assert {m for m in loaded if not m.startswith("snapguard.takepoint.workload")} <= WORKLOAD_MAY_LOAD, loaded
 
 
 def _owner_of_private(module: str) -> str | None:
