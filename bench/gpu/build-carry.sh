@@ -239,8 +239,8 @@ pids = [os.getpid(), os.getppid()]
 c, p = ([m for m in sorted(f(pids, ("/",))) if not m.path.startswith("/proc/")]
         for f in (scan.scan_c, scan.scan_python))
 assert c and c == p, "the C helper and the Python scanner disagree"
-from snapguard import image
-image._validator()
+from snapguard.image import manifest
+manifest._validator()
 from snapguard.cuda import _driver
 cffi.FFI().cdef(_driver._CDEF)
 print("python %s: wheels import, _procscan loads, %d matches agree" % (sys.version.split()[0], len(c)))
