@@ -39,6 +39,7 @@ def last(log: Path) -> int:
 
 def main() -> int:
     out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/smoke")
     work.mkdir(exist_ok=True)
     log = work / "worker.log"
