@@ -21,8 +21,11 @@ __all__ = ["RESTORE_EPILOG", "add_parser", "run"]
 RESTORE_EPILOG = """\
 restore --from URL: fetch the job's newest whole image (or --image NAME) into --images (default: a
 new private directory in the state dir), verifying every byte against the manifest as it arrives,
-take the job's next fencing epoch (one restore wins a race; the other is FENCED and changes
-nothing), then restore it as --images would.
+then restore it as --images would. The job's next fencing epoch is taken right before CRIU runs,
+after every check passed (one restore wins a race; the other is FENCED and starts nothing); a
+restore that fails after taking it rolls it back, leaving the running copy unfenced. An image
+pushed under an older epoch than the job's current one was restored since: ALREADY_RESTORED,
+nothing started, unless --force.
 exit codes:
   0  restored
   1  refused or failed (one typed line on stderr)
@@ -54,6 +57,10 @@ def add_parser(sub: Any) -> None:
     rt.add_argument("--file-checkpoint", metavar="PATH_OR_URL",
                     help="--from: the job's file checkpoint, printed with exit 3 when the restore is refused "
                          "(default: the newest one registered in the store)")
+    rt.add_argument("--force", action="store_true",
+                    help="--from: restore even an image the job was restored from since (ALREADY_RESTORED "
+                         "otherwise). Risk: if that copy still runs, two copies of the job run at once; the older "
+                         "one is fenced (its pushes are refused) but not stopped. Use only once it is known gone")
     rt.add_argument("--progress", action="store_true", help="draw the transfer's progress on a terminal")
 
 
@@ -86,7 +93,8 @@ def _restore_from(args: argparse.Namespace) -> int:
         config = load()
         result = pipeline.restore_from(args.from_url, config, job=args.job, image=args.image, images=args.images,
                                        tcp_established=args.tcp_established, file_checkpoint=args.file_checkpoint,
-                                       device_map=args.device_map, progress_stream=progress(args))
+                                       device_map=args.device_map, force=args.force,
+                                       progress_stream=progress(args))
     except Exception as e:
         failure = failure_from(e)
         fallback = failure.evidence.get("file_checkpoint") or args.file_checkpoint

@@ -36,9 +36,10 @@ from ._remote import node_epoch as node_epoch
 from ._remote import pull_image as pull_image
 from ._remote import push_image as push_image
 from ._remote import restore_from as restore_from
+from ._remote import run_fenced as run_fenced
 
 __all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "CriuRunner", "Fetched", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
-           "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images",
+           "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images", "run_fenced",
            "write_record"]
 
 

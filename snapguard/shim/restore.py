@@ -2,8 +2,9 @@
 
 `--from URL` (with `--from-job J`, `--from-image NAME`), snapguard's own and only right after the
 verb, restores from an image store: the job's newest whole image is fetched into --image-path (a
-new or empty directory), verified as it is written, the job's next fencing epoch taken, and runc
-restores it with those flags taken out; the host checks of the restore's preflight run while the
+new or empty directory), verified as it is written, and runc restores it with those flags taken
+out, the job's next fencing epoch taken as the last step before runc's restore and rolled back if
+that restore fails (`pipeline.run_fenced`); the host checks of the restore's preflight run while the
 image is fetched (`pipeline.fetch_fenced`). A refusal names the job's file checkpoint, when one is
 registered, in the failure record's evidence.
 """
@@ -28,7 +29,7 @@ def restore(config: Config, args: list[str], opts: GlobalOptions, sub: Subcomman
     if url:
         args = _without_own_flags(args, opts)
         fetched = pipeline.fetch_fenced(url, config, job=sub.value("from-job"), image=sub.value("from-image"),
-                                        images=sub.image_path)
+                                        images=sub.image_path, defer_epoch=True)
         verified = fetched.verified
     elif sub.value("from-job") or sub.value("from-image"):
         raise SnapguardError(Reason.USAGE_ERROR, "restore: --from-job and --from-image need --from URL")
@@ -38,7 +39,10 @@ def restore(config: Config, args: list[str], opts: GlobalOptions, sub: Subcomman
                                  container_id=sub.container_id, log=opts.log, log_format=opts.log_format,
                                  pid_file=sub.value("pid-file"))
     try:
-        result = pipeline.restore(runner, req, config, host_checks=fetched.host_checks if fetched else None)
+        if fetched is not None:  # the epoch is taken right before CRIU, rolled back if the restore fails
+            result = pipeline.run_fenced(fetched, runner, req, config)
+        else:
+            result = pipeline.restore(runner, req, config)
     except SnapguardError as e:
         if fetched is not None:
             pipeline.mark_fallback(e, fetched.job, fetched.fallback)

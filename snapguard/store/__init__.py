@@ -6,9 +6,12 @@
     pulled = store.pull(ref, dest)                # verified while read; local marker last
     store.take_epoch(job, expect=seen)            # fencing: create-only, one winner
     store.check_epoch(job, e)                     # FENCED when a newer epoch exists
+    record_published(store, PublishedImage(...))  # an OCI checkpoint image of the job (_published)
 
 Failures are SnapguardError with a typed reason: STORE_UNREACHABLE, STORE_TOO_SLOW,
-UPLOAD_INCOMPLETE, FENCED, IMAGE_CORRUPT, IMAGE_INCOMPLETE, MANIFEST_INVALID.
+STORE_WRITE_UNCONFIRMED, STORE_RECORD_INVALID, UPLOAD_INCOMPLETE, FENCED, IMAGE_CORRUPT,
+IMAGE_INCOMPLETE, MANIFEST_INVALID. Every exchange with a store and every push or pull has a
+deadline (`deadline_s=`; snapguard.store._exchange says which).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from urllib.parse import unquote, urlsplit
 from ..reasons import Reason, SnapguardError
 from ._base import STORE_RECORD, Store
 from ._digest import SPAN, SpanHasher, combine
-from ._records import ImageRef, Progress, Pulled, terminal_progress
+from ._published import PublishedImage, newest_published, record_published
+from ._json import load_record
+from ._records import ImageRef, Progress, Pulled, check_name, terminal_progress
 
-__all__ = ["SPAN", "STORE_RECORD", "ImageRef", "Progress", "Pulled", "SpanHasher", "Store", "combine",
-           "open_store", "terminal_progress"]
+__all__ = ["SPAN", "STORE_RECORD", "ImageRef", "Progress", "PublishedImage", "Pulled", "SpanHasher", "Store",
+           "check_name", "combine", "load_record", "newest_published", "open_store", "record_published", "terminal_progress"]
 
 
 def open_store(url: str, *, endpoint_url: str | None = None, parallel: int = 4) -> Store:

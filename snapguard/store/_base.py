@@ -28,8 +28,8 @@ from typing import Any, Callable
 from .. import image
 from ..names import MANIFEST_NAME, MARKER_NAME
 from ..reasons import Reason, SnapguardError
-from . import _fencing, _pull
-from ._members import STORE_RECORD, check_member, read_sealed, upload_member
+from . import _exchange, _fencing, _json, _pull
+from ._members import STORE_RECORD, check_member, confirm_members, read_sealed, upload_member
 from ._records import ImageRef, Progress, Pulled, check_name, new_image_name
 
 __all__ = ["STORE_RECORD", "Store"]
@@ -96,6 +96,13 @@ class Store:
     def take_epoch(self, job: str, expect: int | None = None, note: dict[str, Any] | None = None) -> int:
         return _fencing.take_epoch(self, check_name("job", job), expect, note)
 
+    def attempt_epoch(self, job: str, image_epoch: int, *, force: bool = False,
+                      note: dict[str, Any] | None = None) -> int:
+        return _fencing.attempt_epoch(self, check_name("job", job), image_epoch, force=force, note=note)
+
+    def abort_epoch(self, job: str, n: int, why: str) -> bool:
+        return _fencing.abort_epoch(self, check_name("job", job), n, why)
+
     def current_epoch(self, job: str) -> int:
         return _fencing.current_epoch(self, check_name("job", job))
 
@@ -120,23 +127,47 @@ class Store:
         for name in sorted(names):
             if whole_only and not names[name]:
                 continue
-            epoch = None
+            epoch, invalid = None, None
             if names[name]:
-                epoch = self._record(job, name).get("epoch")
-            refs.append(ImageRef(self.url, job, name, names[name], epoch if isinstance(epoch, int) else None))
+                try:
+                    epoch = self._record(job, name).get("epoch")
+                except SnapguardError as e:  # a record snapguard did not write: the image does not count
+                    if e.reason is not Reason.STORE_RECORD_INVALID:
+                        raise
+                    invalid = e.failure.message
+                    _json.log.warning("%s: image %s of job %s does not count: %s", self.url, name, job, invalid)
+            complete = names[name] and invalid is None
+            if whole_only and not complete:
+                continue
+            refs.append(ImageRef(self.url, job, name, complete, epoch if isinstance(epoch, int) else None, invalid))
         return refs
 
     def newest(self, job: str) -> ImageRef | None:
-        whole = self.images(job)
-        return whole[-1] if whole else None
+        """The newest whole image whose store record and marker are ones snapguard writes; an
+        image with a bad one is skipped (logged), never in the way of an older good one."""
+        for ref in reversed(self.images(job)):
+            try:
+                _json.read_record(self, f"{job}/images/{ref.name}/{MARKER_NAME}", _json.MARKER,
+                                  cap=_json.MAX_MARKER_BYTES)
+            except SnapguardError as e:
+                if e.reason is not Reason.STORE_RECORD_INVALID:
+                    raise
+                _json.log.warning("%s: image %s of job %s does not count: %s", self.url, ref.name, job, e)
+                continue
+            return ref
+        return None
 
     def _record(self, job: str, name: str) -> dict[str, Any]:
-        data = self._get(f"{job}/images/{name}/{STORE_RECORD}", 1 << 20)
-        try:
-            record = json.loads(data) if data else {}
-        except ValueError:
-            return {}
-        return record if isinstance(record, dict) else {}
+        """The image's store record ({} when there is none); STORE_RECORD_INVALID when it is not
+        one snapguard writes (snapguard.store._json)."""
+        key = f"{job}/images/{name}/{STORE_RECORD}"
+        record = _json.read_record(self, key, _json.STORE_RECORD) or {}
+        for field_name, want in (("job", job), ("name", name)):
+            if record.get(field_name, want) != want:
+                raise SnapguardError(Reason.STORE_RECORD_INVALID, f"{key}: field {field_name} is "
+                                     f"{str(record[field_name])[:130]!r}, not {want!r} (a record of another image)",
+                                     evidence={"store": self.url, "key": key})
+        return record
 
     # ---- file checkpoints -------------------------------------------------------------------
     def register_file_checkpoint(self, job: str, location: str) -> str:
@@ -148,25 +179,37 @@ class Store:
         return name
 
     def newest_file_checkpoint(self, job: str) -> str | None:
+        """The location of the job's newest file checkpoint whose record is one snapguard writes;
+        a bad record is skipped (logged) and the next older one is used."""
         keys = sorted(k for k in self._list(f"{check_name('job', job)}/file-checkpoints/") if k.endswith(".json"))
         for key in reversed(keys):
             try:
-                location = json.loads(self._get(key, 1 << 20) or b"{}").get("location")
-            except ValueError:
+                record = _json.read_record(self, key, _json.FILE_CHECKPOINT)
+            except SnapguardError as e:
+                if e.reason is not Reason.STORE_RECORD_INVALID:
+                    raise
+                _json.log.warning("%s: file checkpoint record skipped: %s", self.url, e)
                 continue
-            if isinstance(location, str) and location:
-                return location
+            if record is not None:
+                return str(record["location"])
         return None
 
     # ---- push -------------------------------------------------------------------------------
     def push(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
-             progress: Progress | None = None) -> ImageRef:
+             progress: Progress | None = None, deadline_s: float | None = None) -> ImageRef:
         """Upload the sealed image in image_dir as the job's image `name` under fencing `epoch`.
 
         Refused with FENCED before anything is written when a newer epoch exists (and checked
         again before the marker, the commit point). Every file is verified against the manifest
         as it is read for the upload; the marker is put last, create-only. On any failure what
-        was put is deleted (best effort); an upload that dies leaves no marker."""
+        was put is deleted (best effort); an upload that dies leaves no marker. The whole push
+        ends within `deadline_s` (else `progress.deadline_s`, else one from the image's size:
+        snapguard.store._exchange), or fails with STORE_TOO_SLOW."""
+        progress = progress or Progress()
+        with _exchange.operation(deadline_s if deadline_s is not None else progress.deadline_s, f"push {job}"):
+            return self._push(image_dir, job, name, epoch, progress)
+
+    def _push(self, image_dir: str, job: str, name: str | None, epoch: int, progress: Progress) -> ImageRef:
         job = check_name("job", job)
         name = check_name("image", name or new_image_name())
         self.check_epoch(job, epoch)
@@ -180,6 +223,7 @@ class Store:
             total = sum(int(e["size"]) for e in files.values())
             progress = progress or Progress()
             progress.start(total, f"push {job}/{name}")
+            _exchange.by_size(total, f"push {job}/{name}")
             written: list[str] = []
             try:
                 for fname, entry in sorted(files.items()):
@@ -189,11 +233,12 @@ class Store:
                 written += [prefix + MANIFEST_NAME, prefix + STORE_RECORD]
                 ref = self._commit_image(job, name, epoch, manifest_bytes, marker, len(files), total)
             except BaseException:
-                for key in reversed(written):
-                    try:
-                        self._delete(key)
-                    except Exception:  # best effort: an unmarked leftover never counts
-                        pass
+                with _exchange.cleanup(f"remove the failed push {job}/{name}"):
+                    for key in reversed(written):
+                        try:
+                            self._delete(key)
+                        except Exception:  # best effort: an unmarked leftover never counts
+                            pass
                 raise
             progress.report(final=True)
         finally:
@@ -237,10 +282,11 @@ class Store:
         return sorted(doomed)
 
     def stream(self, image_dir: str, job: str, *, name: str | None = None, epoch: int = 0,
-               progress: Progress | None = None, parallel: int = 4) -> Any:
+               progress: Progress | None = None, parallel: int = 4, deadline_s: float | None = None) -> Any:
         """Start uploading the image being written into image_dir (see snapguard.store._stream);
         refused with FENCED before anything is sent when a newer epoch exists. Returns the
-        running StreamingPush: `finish()` after the seal, `abort()` on failure."""
+        running StreamingPush: `finish()` after the seal, `abort()` on failure. `deadline_s` (else
+        `progress.deadline_s`) bounds it from now to the end of `finish()`."""
         from ._stream import StreamingPush
 
         job = check_name("job", job)
@@ -248,7 +294,10 @@ class Store:
         self.check_epoch(job, epoch)
         if self._list(f"{job}/images/{name}/"):
             raise SnapguardError(Reason.USAGE_ERROR, f"the store already holds image {name} of job {job}")
-        return StreamingPush(self, image_dir, job, name, epoch, progress or Progress(), parallel=parallel).start()
+        progress = progress or Progress()
+        deadline_s = deadline_s if deadline_s is not None else progress.deadline_s
+        return StreamingPush(self, image_dir, job, name, epoch, progress, parallel=parallel,
+                             deadline_s=deadline_s).start()
 
     def _commit_image(self, job: str, name: str, epoch: int, manifest_bytes: bytes, marker: bytes, nfiles: int,
                       total: int) -> ImageRef:
@@ -258,8 +307,10 @@ class Store:
         record = {"epoch": epoch, "job": job, "name": name, "files": nfiles, "image_bytes": total,
                   "host": socket.gethostname(), "time": time.time(),
                   "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+        record_bytes = json.dumps(record, sort_keys=True).encode()
         self._put(prefix + MANIFEST_NAME, manifest_bytes)
-        self._put(prefix + STORE_RECORD, json.dumps(record, sort_keys=True).encode())
+        self._put(prefix + STORE_RECORD, record_bytes)
+        confirm_members(self, prefix, manifest_bytes, len(record_bytes))  # every object there, whole
         self.check_epoch(job, epoch)  # a restore elsewhere since? then no marker
         if not self._put_new(prefix + MARKER_NAME, marker):
             raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"image {name} of job {job} was marked by "
@@ -268,17 +319,27 @@ class Store:
 
     # ---- pull -------------------------------------------------------------------------------
     def pull(self, ref: ImageRef | str, dest: str, *, job: str | None = None, progress: Progress | None = None,
-             check_manifest: Callable[[dict[str, Any]], None] | None = None, durable: bool = True) -> Pulled:
+             check_manifest: Callable[[dict[str, Any]], None] | None = None, durable: bool = True,
+             deadline_s: float | None = None) -> Pulled:
         """Fetch an image (a ref, or a name with `job`) into `dest`, a new or empty private
         directory, verifying every byte against the manifest as it arrives; the local marker is
         written last. No marker in the store: UPLOAD_INCOMPLETE; a byte that differs:
         IMAGE_CORRUPT, and dest is removed. `check_manifest(manifest)` runs before any file is
         fetched (a host check refuses there without moving the image). `durable=False` (a restore
         that uses the copy at once) skips each file's fsync: the copy was verified as it was
-        written, and a later restore of the directory, after a crash, verifies every byte again."""
+        written, and a later restore of the directory, after a crash, verifies every byte again.
+        The whole pull ends within `deadline_s` (else `progress.deadline_s`, else one from the
+        image's size), or fails with STORE_TOO_SLOW and dest is removed."""
         if isinstance(ref, str):
             ref = ImageRef(self.url, check_name("job", job or ""), check_name("image", ref), True)
-        return _pull.pull(self, ref, dest, progress or Progress(), check_manifest, durable)
+        progress = progress or Progress()
+        with _exchange.operation(deadline_s if deadline_s is not None else progress.deadline_s, f"pull {ref.job}"):
+            return _pull.pull(self, ref, dest, progress, check_manifest, durable)
+
+    def _stored(self, prefix: str) -> dict[str, int | None]:
+        """The objects under `prefix`, each with its size where the backend lists one (None where
+        it does not); a backend that can check more (an ETag) refuses here what does not match."""
+        return dict.fromkeys(self._list(prefix))
 
 
 def _open_local(image_dir: str) -> int:

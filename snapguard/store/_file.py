@@ -1,10 +1,14 @@
 """file://: a directory, typically on a shared file system every node mounts.
 
-Objects are files under the root (directories 0700, files 0600, root's alone). A put writes a
-temporary file in the object's directory, fsyncs it and renames it into place
-(snapguard.files.rename_into_place); a create-only put links it into place (link(2) fails on an
-existing name: one winner, and a reader never sees a half-written object). Nothing is ever
-followed through a symlink.
+Objects are files under the root (directories 0700, files 0600, root's alone). Every component of
+an object's key is opened relative to its parent's descriptor with O_NOFOLLOW|O_DIRECTORY (the
+final one O_NOFOLLOW), as snapguard.trust's walk does: a symlink anywhere inside the store is
+refused (UNTRUSTED_PATH), never followed, so nothing outside the root is ever created, read,
+listed or deleted through one. A put writes a temporary file in the object's directory, fsyncs it
+and renames it into place relative to that directory's descriptor; a create-only put links it
+into place (link(2) fails on an existing name: one winner, and a reader never sees a half-written
+object). The root is checked (snapguard.trust.make_private_dir) when the store is opened if it
+exists, else created by the first write: reading a store that does not exist creates nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import secrets
 import stat
 
-from .. import files, trust
+from .. import trust
 from ..reasons import Reason, SnapguardError
 from ._base import _SMALL_CAP, Store
 from ._digest import SPAN
@@ -24,6 +28,7 @@ __all__ = ["FileStore"]
 
 _READ = 4 << 20
 _TMP = ".tmp-"
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class FileStore(Store):
@@ -31,39 +36,105 @@ class FileStore(Store):
 
     def __init__(self, url: str, root: str) -> None:
         super().__init__(url)
+        self.root, self._checked = os.path.abspath(root), False
+        if os.path.lexists(root):
+            self._check_root()
+
+    def _check_root(self) -> None:
         try:
-            self.root = trust.make_private_dir(root)
+            self.root = trust.make_private_dir(self.root)
         except trust.UntrustedPathError as e:
             reason = Reason.STORE_UNREACHABLE if e.unusable else Reason.UNTRUSTED_PATH
-            raise SnapguardError(reason, f"store {url}: {e}", evidence={"store": url, "path": e.path}) from None
+            raise SnapguardError(reason, f"store {self.url}: {e}", evidence={"store": self.url, "path": e.path}) \
+                from None
+        self._checked = True
 
-    def _path(self, key: str) -> str:
+    @staticmethod
+    def _parts(key: str) -> list[str]:
         parts = key.split("/")
         if any(p in ("", ".", "..") for p in parts):
             raise SnapguardError(Reason.USAGE_ERROR, f"bad store key {key!r}")
-        return os.path.join(self.root, *parts)
+        return parts
 
-    def _dir_for(self, key: str) -> str:
-        d = os.path.dirname(self._path(key))
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        return d
+    def _linked(self, key: str, name: str) -> SnapguardError:
+        return SnapguardError(Reason.UNTRUSTED_PATH, f"store {self.url}: {name!r} on the way to {key} is a symbolic "
+                              "link or not a directory; links inside a store are never followed",
+                              evidence={"store": self.url, "key": key})
 
-    def _tmp(self, key: str) -> tuple[str, int]:
-        d = self._dir_for(key)
-        tmp = os.path.join(d, f"{_TMP}{secrets.token_hex(8)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        return tmp, fd
+    def _dir(self, dirs: list[str], key: str, create: bool) -> int | None:
+        """A descriptor of the directory `dirs` below the root, each component opened relative to
+        its parent without following links (made 0700 where missing, with `create`); None when a
+        component is missing and not to be made."""
+        if not self._checked:
+            if not create and not os.path.lexists(self.root):
+                return None
+            self._check_root()
+        try:
+            fd = os.open(self.root, _DIR)
+        except FileNotFoundError:
+            if not create:
+                return None
+            self._check_root()
+            fd = os.open(self.root, _DIR)
+        try:
+            for name in dirs:
+                try:
+                    nxt = os.open(name, _DIR, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        os.close(fd)
+                        return None
+                    try:
+                        os.mkdir(name, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nxt = os.open(name, _DIR, dir_fd=fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    if not create and not stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        os.close(fd)
+                        return None  # a file where a directory would be: nothing below it
+                    raise self._linked(key, name) from None
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _parent(self, key: str, create: bool) -> tuple[int | None, str]:
+        parts = self._parts(key)
+        return self._dir(parts[:-1], key, create), parts[-1]
+
+    def _tmp(self, key: str) -> tuple[int, str, int]:
+        d, _ = self._parent(key, create=True)
+        assert d is not None
+        tmp = f"{_TMP}{secrets.token_hex(8)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+        except BaseException:
+            os.close(d)
+            raise
+        return d, tmp, fd
 
     @staticmethod
-    def _sync_dir(path: str) -> None:
-        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _drop(d: int, tmp: str) -> None:
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            os.unlink(tmp, dir_fd=d)
+        except FileNotFoundError:
+            pass
 
-    def _write_tmp(self, key: str, data: bytes) -> str:
-        tmp, fd = self._tmp(key)
+    def _into_place(self, d: int, tmp: str, key: str) -> None:
+        """Rename the fsynced temporary file over the key's name, then fsync the directory."""
+        try:
+            os.replace(tmp, self._parts(key)[-1], src_dir_fd=d, dst_dir_fd=d)
+            os.fsync(d)
+        finally:
+            os.close(d)
+
+    def _write_tmp(self, key: str, data: bytes) -> tuple[int, str]:
+        d, tmp, fd = self._tmp(key)
         try:
             view = memoryview(data)
             while view:
@@ -71,31 +142,43 @@ class FileStore(Store):
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            self._drop(d, tmp)
+            os.close(d)
             raise
         os.close(fd)
-        return tmp
+        return d, tmp
 
     def _put(self, key: str, data: bytes) -> None:
-        tmp = self._write_tmp(key, data)
-        files.rename_into_place(tmp, self._path(key))
+        d, tmp = self._write_tmp(key, data)
+        self._into_place(d, tmp, key)
 
     def _put_new(self, key: str, data: bytes) -> bool:
-        tmp = self._write_tmp(key, data)
+        d, tmp = self._write_tmp(key, data)
         try:
-            os.link(tmp, self._path(key), follow_symlinks=False)
+            os.link(tmp, self._parts(key)[-1], src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+            os.fsync(d)
         except FileExistsError:
             return False
         finally:
-            os.unlink(tmp)
-        self._sync_dir(tmp)
+            self._drop(d, tmp)
+            os.close(d)
         return True
 
     def _open(self, key: str) -> int | None:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
+        d, name = self._parent(key, create=False)
+        if d is None:
             return None
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is a symbolic link, not a regular "
+                                     "file", evidence={"store": self.url, "key": key}) from None
+            raise
+        finally:
+            os.close(d)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is not a regular file")
@@ -113,81 +196,97 @@ class FileStore(Store):
             os.close(fd)
 
     def _list(self, prefix: str) -> list[str]:
-        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        out = []
-        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-            rel = os.path.relpath(dirpath, self.root)
-            for f in filenames:
-                if f.startswith(_TMP):
-                    continue
-                key = f if rel == "." else f"{rel}/{f}".replace(os.sep, "/")
-                if key.startswith(prefix):
-                    out.append(key)
+        """The keys under `prefix`; symbolic links (files or directories) are not objects and
+        are neither listed nor followed."""
+        base = prefix.rstrip("/")
+        try:
+            d = self._dir(self._parts(base) if base else [], prefix, create=False)
+        except SnapguardError as e:
+            if e.reason is Reason.USAGE_ERROR:
+                return []
+            raise
+        out: list[str] = []
+        if d is not None:
+            _walk_fd(d, base, prefix, out)
         return sorted(out)
 
     def _delete(self, key: str) -> None:
+        d, name = self._parent(key, create=False)
+        if d is None:
+            return
         try:
-            os.unlink(self._path(key))
+            os.unlink(name, dir_fd=d)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(d)
 
     def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
-        tmp, out = self._tmp(key)
+        d, tmp, out = self._tmp(key)
         try:
             digests = _copy_spans(fd, out, size, progress)
             os.fsync(out)
         except BaseException:
             os.close(out)
-            os.unlink(tmp)
+            self._drop(d, tmp)
+            os.close(d)
             raise
         os.close(out)
-        files.rename_into_place(tmp, self._path(key))
+        self._into_place(d, tmp, key)
         return digests
 
-    def _begin(self, key: str) -> tuple[str, str, int]:
-        tmp, fd = self._tmp(key)
-        return key, tmp, fd
+    def _begin(self, key: str) -> tuple[str, int, str, int]:
+        d, tmp, fd = self._tmp(key)
+        return key, d, tmp, fd
 
-    def _part(self, handle: tuple[str, str, int], index: int, data: bytes) -> None:
+    def _part(self, handle: tuple[str, int, str, int], index: int, data: bytes) -> None:
         off, view = index * SPAN, memoryview(data)
         while view:
-            n = os.pwrite(handle[2], view, off)
+            n = os.pwrite(handle[3], view, off)
             view, off = view[n:], off + n
         # the disk writes each span while the dump goes on: little is left for the commit's fsync
-        os.fdatasync(handle[2])
+        os.fdatasync(handle[3])
 
-    def _commit(self, handle: tuple[str, str, int]) -> None:
-        key, tmp, fd = handle
+    def _commit(self, handle: tuple[str, int, str, int]) -> None:
+        key, d, tmp, fd = handle
         try:
             os.fsync(fd)
+        except BaseException:
+            os.close(d)
+            raise
         finally:
             os.close(fd)
-        files.rename_into_place(tmp, self._path(key))
+        self._into_place(d, tmp, key)
 
-    def _abort(self, handle: tuple[str, str, int]) -> None:
+    def _abort(self, handle: tuple[str, int, str, int]) -> None:
         try:
-            os.close(handle[2])
+            os.close(handle[3])
         except OSError:
             pass
         try:
-            os.unlink(handle[1])
-        except FileNotFoundError:
-            pass
+            self._drop(handle[1], handle[2])
+        finally:
+            try:
+                os.close(handle[1])
+            except OSError:
+                pass
 
     def _sweep(self, prefix: str) -> int:
-        try:
-            d = self._path(prefix.rstrip("/"))
-            names = os.listdir(d)
-        except (FileNotFoundError, NotADirectoryError):
+        base = prefix.rstrip("/")
+        d = self._dir(self._parts(base), prefix, create=False)
+        if d is None:
             return 0
         gone = 0
-        for n in names:
-            if n.startswith(_TMP):
-                try:
-                    os.unlink(os.path.join(d, n))
-                    gone += 1
-                except FileNotFoundError:
-                    pass
+        try:
+            for n in os.listdir(d):
+                if n.startswith(_TMP):
+                    try:
+                        os.unlink(n, dir_fd=d)
+                        gone += 1
+                    except FileNotFoundError:
+                        pass
+        finally:
+            os.close(d)
         return gone
 
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
@@ -203,6 +302,26 @@ class FileStore(Store):
             return _copy_spans(fd, out_fd, size, progress, mapped=True)
         finally:
             os.close(fd)
+
+
+def _walk_fd(d: int, rel: str, prefix: str, out: list[str]) -> None:
+    """Append the keys of the regular files below directory descriptor `d` (closed here), whose
+    key is `rel`, that start with `prefix`; entries are opened relative to `d`, never followed."""
+    try:
+        with os.scandir(d) as entries:
+            found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in entries]
+        for name, is_dir, is_file in found:
+            key = f"{rel}/{name}" if rel else name
+            if is_file and not name.startswith(_TMP) and key.startswith(prefix):
+                out.append(key)
+            elif is_dir:
+                try:
+                    sub = os.open(name, _DIR, dir_fd=d)
+                except OSError:
+                    continue  # gone, or swapped for a link since it was listed
+                _walk_fd(sub, key, prefix, out)
+    finally:
+        os.close(d)
 
 
 def _copy_spans(src: int, out: int, size: int, progress: Progress, parallel: int = 8,

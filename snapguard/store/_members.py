@@ -13,8 +13,10 @@ from .. import image
 from ..names import MANIFEST_NAME, MARKER_NAME, NOT_IMAGE_FILES
 from ..reasons import Reason, SnapguardError
 from ._digest import combine
+from ._json import no_constant
 
-__all__ = ["STORE_RECORD", "check_member", "open_member", "read_sealed", "read_span", "upload_member"]
+__all__ = ["STORE_RECORD", "check_member", "confirm_members", "open_member", "read_sealed", "read_span",
+           "upload_member"]
 
 STORE_RECORD = "snapguard-store.json"
 _SMALL_CAP = image.MAX_MANIFEST_BYTES  # the largest manifest an image may hold
@@ -33,6 +35,26 @@ def upload_member(store: Any, dir_fd: int, image_dir: str, prefix: str, fname: s
         raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {fname} in {image_dir} has sha256 {digest[:16]}..., "
                              f"manifest says {entry['sha256'][:16]}...: not uploaded",
                              evidence={"image": image_dir, "path": fname})
+
+
+def confirm_members(store: Any, prefix: str, manifest_bytes: bytes, record_size: int) -> None:
+    """Before an image's marker: every file the manifest lists, the manifest and the store record
+    are in the store under `prefix`, each of the size put where the store lists sizes
+    (`store._stored`). A store that answered a put without keeping it is STORE_WRITE_UNCONFIRMED,
+    and the image is never marked."""
+    files = json.loads(manifest_bytes)["files"]  # this node's own sealed manifest, validated already
+    want = {prefix + f: int(e["size"]) for f, e in files.items()}
+    want[prefix + MANIFEST_NAME] = len(manifest_bytes)
+    want[prefix + STORE_RECORD] = record_size
+    stored = store._stored(prefix)
+    for key, size in sorted(want.items()):
+        if key not in stored:
+            raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{store.url}: {key} is not in the store although "
+                                 "its upload was answered as done", evidence={"store": store.url, "key": key})
+        got = stored[key]
+        if got is not None and got != size:
+            raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{store.url}: {key} is in the store with {got} "
+                                 f"bytes, {size} were put", evidence={"store": store.url, "key": key})
 
 
 def check_member(name: Any) -> None:
@@ -64,9 +86,9 @@ def read_sealed(dir_fd: int, image_dir: str) -> tuple[bytes, bytes, dict[str, An
                              "nothing pushed", evidence={"image": image_dir})
     manifest_bytes = read_small(dir_fd, MANIFEST_NAME, _SMALL_CAP) or b""
     try:
-        expected = json.loads(marker)["manifest_sha256"]
-        manifest = json.loads(manifest_bytes)
-    except (ValueError, KeyError, TypeError):
+        expected = json.loads(marker, parse_constant=no_constant)["manifest_sha256"]
+        manifest = json.loads(manifest_bytes, parse_constant=no_constant)
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise SnapguardError(Reason.IMAGE_CORRUPT, f"marker or manifest of {image_dir} is unreadable",
                              evidence={"image": image_dir}) from None
     if hashlib.sha256(manifest_bytes).hexdigest() != expected:

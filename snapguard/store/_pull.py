@@ -14,6 +14,7 @@ from .. import image, trust
 from ..files import write_private_bytes
 from ..names import MANIFEST_NAME, MARKER_NAME
 from ..reasons import Reason, SnapguardError
+from . import _exchange, _json
 from ._digest import combine
 from ._members import check_member
 from ._records import ImageRef, Progress, Pulled, check_name
@@ -51,24 +52,21 @@ def _make_dest(dest: str) -> str:
 
 def _sealed(store: Store, ref: ImageRef, prefix: str) -> tuple[bytes, bytes, dict[str, Any]]:
     """The image's marker, its manifest's bytes, and the manifest, checked against each other."""
-    marker = store._get(prefix + MARKER_NAME, 4096)
+    marker = store._get(prefix + MARKER_NAME, _json.MAX_MARKER_BYTES)
     if marker is None:
         what = "is incomplete (its upload was interrupted or failed)" if store._list(prefix) else "does not exist"
         raise SnapguardError(Reason.UPLOAD_INCOMPLETE if store._list(prefix) else Reason.IMAGE_INCOMPLETE,
                              f"image {ref.name} of job {ref.job} in {store.url} {what}: it has no "
                              f"{MARKER_NAME}", evidence={"store": store.url, "image": ref.url})
-    manifest_bytes = store._get(prefix + MANIFEST_NAME)
-    try:
-        expected = json.loads(marker)["manifest_sha256"]
-    except (ValueError, KeyError, TypeError):
-        raise SnapguardError(Reason.IMAGE_CORRUPT, f"the marker of {ref.url} is unreadable",
-                             evidence={"image": ref.url}) from None
+    expected = _json.load_record(marker, _json.MARKER, prefix + MARKER_NAME, cap=_json.MAX_MARKER_BYTES,
+                                 evidence={"store": store.url, "image": ref.url})["manifest_sha256"]
+    manifest_bytes = store._get(prefix + MANIFEST_NAME, image.MAX_MANIFEST_BYTES)
     if manifest_bytes is None or hashlib.sha256(manifest_bytes).hexdigest() != expected:
         raise SnapguardError(Reason.IMAGE_CORRUPT, f"the manifest of {ref.url} is missing or does not match "
                              "its completion marker", evidence={"image": ref.url})
     try:
-        manifest = json.loads(manifest_bytes)
-    except ValueError:
+        manifest = json.loads(manifest_bytes, parse_constant=_json.no_constant)
+    except (ValueError, RecursionError):
         raise SnapguardError(Reason.MANIFEST_INVALID, f"the manifest of {ref.url} is not JSON",
                              evidence={"image": ref.url}) from None
     manifest = image.validate_manifest(manifest, ref.url)
@@ -115,6 +113,7 @@ def pull(store: Store, ref: ImageRef, dest: str, progress: Progress,
     digests: dict[str, str] = {}
     total = sum(int(e["size"]) for e in files.values())
     progress.start(total, f"pull {ref.job}/{ref.name}")
+    _exchange.by_size(total, f"pull {ref.job}/{ref.name}")
     try:
         for fname, entry in sorted(files.items()):
             digests[fname] = _fetch(store, ref, prefix, fname, entry, dir_fd, progress, durable)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from ..reasons import Reason, SnapguardError
+from . import _exchange
 
 __all__ = ["ImageRef", "Progress", "Pulled", "check_name", "new_image_name", "terminal_progress"]
 
@@ -36,7 +37,8 @@ def new_image_name() -> str:
 class Progress:
     """Bytes moved, rate and ETA of one transfer: logged (logger snapguard.store, for the agent's
     log) and, given a stream (`--progress` on a terminal), drawn on one line. `deadline_s`: past it
-    the next update raises STORE_TOO_SLOW. `callback(dict)` is called on every report."""
+    the next update raises STORE_TOO_SLOW; a push or pull given this Progress is bound by it as a
+    whole (snapguard.store._exchange). `callback(dict)` is called on every report."""
 
     def __init__(self, total: int = 0, *, label: str = "", stream: IO[str] | None = None,
                  interval_s: float = 1.0, deadline_s: float | None = None,
@@ -69,6 +71,7 @@ class Progress:
                 self._last = now
         if self.on_bytes is not None:
             self.on_bytes(self.done)
+        _exchange.check()  # the push or pull under way is past its deadline
         if self.deadline_s is not None and time.monotonic() - self.t0 > self.deadline_s:
             s = self.state()
             raise SnapguardError(Reason.STORE_TOO_SLOW, f"{self.label}: {s['bytes']} of {s['total']} bytes in "
@@ -99,6 +102,7 @@ class ImageRef:
     name: str
     complete: bool
     epoch: int | None = None  # the fencing epoch it was pushed under (from its store record)
+    invalid: str | None = None  # why a marked image does not count (its store record is not one snapguard writes)
 
     @property
     def url(self) -> str:

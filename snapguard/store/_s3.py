@@ -1,12 +1,20 @@
 """s3://bucket/prefix through boto3 (the `s3` extra).
 
-Small objects are one put with Content-MD5 (the server refuses a body that does not match it);
-files over 64 MiB are multipart uploads of 64 MiB parts (one part per span of the manifest's
-digest scheme), several parts in flight, each sent with Content-MD5 and its returned ETag checked
-against the MD5 computed here. The marker and the epochs are single create-only puts
-(`If-None-Match: *`; a multipart completion ignores it). Downloads are ranged GETs of 64 MiB spans
-in parallel, each hashed as its bytes arrive and written in place. The endpoint: `endpoint_url`,
-else boto3's own (AWS_ENDPOINT_URL_S3 and the usual configuration chain).
+Small objects are one put with Content-MD5 and x-amz-checksum-sha256; files over 64 MiB are
+multipart uploads of 64 MiB parts (one part per span of the manifest's digest scheme), several in
+flight, each with its MD5 and SHA-256. What the store answers is checked, never taken on trust:
+a put or a part is confirmed only by an ETag that is the content's MD5 or by the SHA-256 it echoes
+(a server that answers 200 to anything confirms nothing: STORE_WRITE_UNCONFIRMED); a completed
+upload's ETag must be the MD5 of its parts' MD5s with "-<parts>" (or at least of that form where
+the parts were confirmed by checksum). Before an image's marker, `_stored` lists the image and
+checks every object's size and the ETag its put established. The marker and the epochs are single
+create-only puts (`If-None-Match: *`; a multipart completion ignores it). Downloads are ranged GETs
+of 64 MiB spans in parallel, each hashed as its bytes arrive and written in place.
+
+Every request is an exchange under a deadline of its own (snapguard.store._exchange: connect,
+body, answer and retries together, `exchange_s` plus the body at `min_rate_bps`), inside the
+deadline of the push or pull it belongs to. The endpoint: `endpoint_url`, else boto3's own
+(AWS_ENDPOINT_URL_S3 and the usual configuration chain).
 """
 
 from __future__ import annotations
@@ -14,10 +22,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ..reasons import Reason, SnapguardError
+from . import _exchange
 from ._base import Store
 from ._digest import SPAN, spans
 from ._members import read_span
@@ -27,6 +38,8 @@ __all__ = ["S3Store"]
 
 T = TypeVar("T")
 _CHUNK = 1 << 20
+_MAX_PAGES = 1000  # a listing of more than 1000 pages (a million keys) is not a job's
+_MULTI_ETAG = re.compile(r"[0-9a-f]{32}-([0-9]+)\Z")
 
 
 def _md5(data: bytes) -> tuple[str, str]:
@@ -34,11 +47,21 @@ def _md5(data: bytes) -> tuple[str, str]:
     return base64.b64encode(d.digest()).decode(), d.hexdigest()
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def _shown(value: Any) -> str:
+    text = str(value or "")
+    return repr(text[:70] + ("..." if len(text) > 70 else "")) if text else "none"
+
+
 class S3Store(Store):
     scheme = "s3"
 
     def __init__(self, url: str, bucket: str, prefix: str, *, endpoint_url: str | None = None,
-                 parallel: int = 4, connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0) -> None:
+                 parallel: int = 4, exchange_s: float = _exchange.EXCHANGE_S,
+                 min_rate_bps: float = _exchange.MIN_RATE_BPS) -> None:
         super().__init__(url)
         try:
             import boto3
@@ -47,62 +70,98 @@ class S3Store(Store):
             raise SnapguardError(Reason.STORE_UNREACHABLE, "s3:// stores need boto3 (pip install 'snapguard[s3]')"
                                  ) from None
         self.bucket, self.prefix, self.parallel = bucket, prefix.strip("/"), max(1, parallel)
-        cfg = botocore.config.Config(s3={"addressing_style": "path"}, connect_timeout=connect_timeout_s,
-                                     read_timeout=read_timeout_s, retries={"max_attempts": 3, "mode": "standard"},
+        self.exchange_s, self.min_rate_bps = exchange_s, min_rate_bps
+        cfg = botocore.config.Config(s3={"addressing_style": "path"},
+                                     connect_timeout=min(_exchange.CONNECT_S, exchange_s), read_timeout=exchange_s,
+                                     retries={"max_attempts": 3, "mode": "standard"},
                                      max_pool_connections=max(10, 2 * self.parallel),
                                      request_checksum_calculation="when_required",
                                      response_checksum_validation="when_required")
         self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None,
                                    config=cfg)
+        _exchange.track_connections(self.client)
+        self._etags: dict[str, str] = {}  # key -> the ETag its confirmed put established
+        self._etag_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """One S3 request with its failures typed: can't connect, credentials or bucket refused:
-        STORE_UNREACHABLE; a read that timed out: STORE_TOO_SLOW."""
+    def _call(self, what: str, fn: Callable[[], T], size: int = 0) -> T:
+        """One S3 exchange under its deadline, its failures typed: can't connect, credentials or
+        bucket refused, an answer that is not S3's: STORE_UNREACHABLE; no whole answer in time:
+        STORE_TOO_SLOW."""
         from botocore import exceptions as bx
 
+        budget = _exchange.budget_s(size, self.exchange_s, self.min_rate_bps)
         try:
-            return fn()
-        except (bx.ReadTimeoutError,) as e:
+            return _exchange.Exchange(what, self.url, budget).run(fn)
+        except bx.ReadTimeoutError as e:
             raise SnapguardError(Reason.STORE_TOO_SLOW, f"{self.url}: {what}: {e}", evidence={"store": self.url}
                                  ) from None
+        except bx.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", "?"))[:80]
+            message = str(e.response.get("Error", {}).get("Message", ""))[:200]
+            raise SnapguardError(Reason.STORE_UNREACHABLE, f"{self.url}: {what}: {code}: {message}",
+                                 evidence={"store": self.url, "code": code}) from None
         except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.NoCredentialsError,
                 bx.ConnectionClosedError) as e:
             raise SnapguardError(Reason.STORE_UNREACHABLE, f"{self.url}: {what}: {e}", evidence={"store": self.url}
                                  ) from None
-        except bx.ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "?")
-            raise SnapguardError(Reason.STORE_UNREACHABLE, f"{self.url}: {what}: {code}: "
-                                 f"{e.response.get('Error', {}).get('Message', '')}",
-                                 evidence={"store": self.url, "code": code}) from None
+        except bx.BotoCoreError as e:  # an answer boto3 cannot parse: not an S3 service
+            detail = " ".join(str(e).split())[:200]
+            raise SnapguardError(Reason.STORE_UNREACHABLE, f"{self.url}: {what}: the answer is not S3's: {detail}",
+                                 evidence={"store": self.url}) from None
 
     @staticmethod
     def _code(e: Exception) -> str:
         return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
-    def _put(self, key: str, data: bytes) -> None:
-        b64, _ = _md5(data)
-        self._call(f"put {key}", lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                                                 ContentMD5=b64))
+    def _confirmed(self, what: str, key: str, r: Any, md5_hex: str, sha_b64: str) -> str:
+        """The ETag of a put or part the store confirmed: its MD5, or the SHA-256 it echoed."""
+        etag = str(r.get("ETag") or "").strip('"') if isinstance(r, dict) else ""
+        echoed = r.get("ChecksumSHA256") if isinstance(r, dict) else None
+        if etag != md5_hex and echoed != sha_b64:
+            raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{self.url}: {what}: the store answered ETag "
+                                 f"{_shown(etag)} and checksum {_shown(echoed)}; the content's MD5 is {md5_hex}",
+                                 evidence={"store": self.url, "key": key})
+        return etag
+
+    def _remember(self, key: str, etag: str | None) -> None:
+        with self._etag_lock:
+            if etag is None:
+                self._etags.pop(key, None)
+            else:
+                self._etags[key] = etag
+
+    def _put_args(self, key: str, data: bytes, sha: bytes | None = None) -> tuple[dict[str, Any], str, str]:
+        b64, hexd = _md5(data)
+        sha_b64 = _b64(sha or hashlib.sha256(data).digest())
+        return ({"Bucket": self.bucket, "Key": self._key(key), "Body": data, "ContentMD5": b64,
+                 "ChecksumSHA256": sha_b64}, hexd, sha_b64)
+
+    def _put(self, key: str, data: bytes, sha: bytes | None = None) -> None:
+        args, hexd, sha_b64 = self._put_args(key, data, sha)
+        r = self._call(f"put {key}", lambda: self.client.put_object(**args), len(data))
+        self._remember(key, self._confirmed(f"put {key}", key, r, hexd, sha_b64))
 
     def _put_new(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError
 
-        b64, _ = _md5(data)
+        args, hexd, sha_b64 = self._put_args(key, data)
 
-        def put() -> bool:
+        def put() -> Any:
             try:
-                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ContentMD5=b64,
-                                       IfNoneMatch="*")
+                return self.client.put_object(**args, IfNoneMatch="*")
             except ClientError as e:
                 if self._code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                    return False
+                    return None
                 raise
-            return True
 
-        return self._call(f"create {key}", put)
+        r = self._call(f"create {key}", put, len(data))
+        if r is None:
+            return False
+        self._remember(key, self._confirmed(f"create {key}", key, r, hexd, sha_b64))
+        return True
 
     def _get(self, key: str, cap: int = 64 << 20) -> bytes | None:
         from botocore.exceptions import ClientError
@@ -114,103 +173,159 @@ class S3Store(Store):
                 if self._code(e) in ("NoSuchKey", "404"):
                     return None
                 raise
-            if r["ContentLength"] > cap:
-                r["Body"].close()
+            body = r["Body"]
+            try:
+                if int(r.get("ContentLength") or 0) > cap:
+                    raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is over {cap} bytes")
+                data = bytes(body.read(cap + 1))
+            finally:
+                body.close()
+            if len(data) > cap:
                 raise SnapguardError(Reason.IMAGE_CORRUPT, f"store object {key} is over {cap} bytes")
-            return r["Body"].read()
+            return data
 
-        return self._call(f"get {key}", get)
+        return self._call(f"get {key}", get, cap)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _objects(self, prefix: str) -> list[dict[str, Any]]:
+        """Every object under `prefix` as the listing says it: Key (relative), Size, ETag."""
         full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         strip = len(self.prefix) + 1 if self.prefix else 0
+        pages = iter(self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full))
+        out: list[dict[str, Any]] = []
+        for n in range(_MAX_PAGES + 1):
+            page = self._call(f"list {prefix or '/'}", lambda: next(pages, None))
+            if page is None:
+                break
+            if n == _MAX_PAGES:
+                raise SnapguardError(Reason.STORE_UNREACHABLE, f"{self.url}: list {prefix or '/'}: more than "
+                                     f"{_MAX_PAGES} pages", evidence={"store": self.url})
+            for o in page.get("Contents", []) if isinstance(page, dict) else []:
+                key = o.get("Key") if isinstance(o, dict) else None
+                if isinstance(key, str) and key.startswith(full):
+                    out.append({"Key": key[strip:], "Size": o.get("Size"), "ETag": str(o.get("ETag") or "").strip('"')})
+        return sorted(out, key=lambda o: o["Key"])
 
-        def list_all() -> list[str]:
-            out = []
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-                out += [o["Key"][strip:] for o in page.get("Contents", [])]
-            return sorted(out)
+    def _list(self, prefix: str) -> list[str]:
+        return [o["Key"] for o in self._objects(prefix)]
 
-        return self._call(f"list {prefix or '/'}", list_all)
+    def _stored(self, prefix: str) -> dict[str, int | None]:
+        """The objects under `prefix` with their listed sizes; STORE_WRITE_UNCONFIRMED where one's
+        listed ETag is not the one its confirmed put established."""
+        out: dict[str, int | None] = {}
+        for o in self._objects(prefix):
+            want = self._etags.get(o["Key"])
+            if want is not None and not self._etag_matches(want, o["ETag"]):
+                raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{self.url}: {o['Key']} is listed with ETag "
+                                     f"{_shown(o['ETag'])}, its upload was confirmed as {want}",
+                                     evidence={"store": self.url, "key": o["Key"]})
+            size = o["Size"]
+            out[o["Key"]] = size if isinstance(size, int) and not isinstance(size, bool) else -1
+        return out
+
+    @staticmethod
+    def _etag_matches(want: str, got: str) -> bool:
+        if want.startswith("*-"):  # a multipart upload whose parts were confirmed by checksum: its form only
+            m = _MULTI_ETAG.match(got)
+            return m is not None and m.group(1) == want[2:]
+        return got == want
 
     def _delete(self, key: str) -> None:
         self._call(f"delete {key}", lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+        self._remember(key, None)
+
+    # ---- multipart --------------------------------------------------------------------------
+    def _begin(self, key: str) -> dict[str, Any]:
+        k = self._key(key)
+        r = self._call(f"start upload {key}", lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=k, ChecksumAlgorithm="SHA256"))
+        upload_id = r.get("UploadId") if isinstance(r, dict) else None
+        if not isinstance(upload_id, str) or not upload_id:
+            raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{self.url}: start upload {key}: the store "
+                                 "answered no upload id", evidence={"store": self.url, "key": key})
+        return {"key": key, "k": k, "id": upload_id, "parts": {}, "lock": threading.Lock()}
+
+    def _part(self, handle: dict[str, Any], index: int, data: bytes, sha: bytes | None = None) -> None:
+        b64, hexd = _md5(data)
+        sha_b64 = _b64(sha or hashlib.sha256(data).digest())
+        key, k, n = handle["key"], handle["k"], index + 1
+        what = f"upload part {n} of {key}"
+        r = self._call(what, lambda: self.client.upload_part(
+            Bucket=self.bucket, Key=k, UploadId=handle["id"], PartNumber=n, Body=data, ContentMD5=b64,
+            ChecksumSHA256=sha_b64), len(data))
+        etag = self._confirmed(what, key, r, hexd, sha_b64)
+        with handle["lock"]:
+            handle["parts"][n] = (str(r["ETag"]), sha_b64, etag == hexd, hexd)
+
+    def _commit(self, handle: dict[str, Any]) -> None:
+        parts = sorted(handle["parts"].items())
+        if [n for n, _ in parts] != list(range(1, len(parts) + 1)):
+            raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"{handle['key']}: parts {[n for n, _ in parts][:10]} "
+                                 "are not 1..n", evidence={"store": self.url})
+        listed = [{"PartNumber": n, "ETag": etag, "ChecksumSHA256": sha} for n, (etag, sha, _, _) in parts]
+        what = f"complete upload {handle['key']}"
+        r = self._call(what, lambda: self.client.complete_multipart_upload(
+            Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"], MultipartUpload={"Parts": listed}))
+        if all(by_md5 for _, (_, _, by_md5, _) in parts):
+            want = hashlib.md5(b"".join(bytes.fromhex(h) for _, (_, _, _, h) in parts),
+                               usedforsecurity=False).hexdigest() + f"-{len(parts)}"
+        else:
+            want = f"*-{len(parts)}"
+        got = str(r.get("ETag") or "").strip('"') if isinstance(r, dict) else ""
+        # an empty ETag is what radosgw 16 answers here: the listing before the marker checks it
+        if got and not self._etag_matches(want, got):
+            raise SnapguardError(Reason.STORE_WRITE_UNCONFIRMED, f"{self.url}: {what}: the store answered ETag "
+                                 f"{_shown(got)}, the parts make {want}", evidence={"store": self.url})
+        self._remember(handle["key"], want)
+
+    def _abort(self, handle: dict[str, Any]) -> None:
+        try:
+            with _exchange.cleanup(f"abort upload {handle['key']}"):  # also after the push's deadline
+                self._call(f"abort upload {handle['key']}", lambda: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"]))
+        except Exception:  # best effort: an unfinished multipart upload is never an object
+            pass
 
     def _upload(self, key: str, fd: int, size: int, progress: Progress) -> list[bytes]:
         if size <= SPAN:
             data = read_span(fd, 0, size)
-            self._put(key, data)
+            sha = hashlib.sha256(data).digest()
+            self._put(key, data, sha)
             progress.add(len(data))
-            return [hashlib.sha256(data).digest()]
-        k = self._key(key)
-        upload_id = self._call(f"start upload {key}", lambda: self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=k)["UploadId"])
+            return [sha]
+        handle = self._begin(key)
         try:
-            def part(args: tuple[int, tuple[int, int]]) -> tuple[bytes, dict[str, Any]]:
+            def part(args: tuple[int, tuple[int, int]]) -> bytes:
                 i, (off, length) = args
+                _exchange.check(self.url)
                 data = read_span(fd, off, length)
-                b64, hexd = _md5(data)
-                r = self._call(f"upload part {i + 1} of {key}", lambda: self.client.upload_part(
-                    Bucket=self.bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=data, ContentMD5=b64))
-                if r["ETag"].strip('"') != hexd:
-                    raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"part {i + 1} of {key}: the store answered "
-                                         f"ETag {r['ETag']}, the part's MD5 is {hexd}", evidence={"store": self.url})
+                sha = hashlib.sha256(data).digest()
+                self._part(handle, i, data, sha)
                 progress.add(len(data))
-                return hashlib.sha256(data).digest(), {"PartNumber": i + 1, "ETag": r["ETag"]}
+                return sha
 
             with ThreadPoolExecutor(max_workers=self.parallel) as pool:
-                results = list(pool.map(part, enumerate(spans(size))))
-            self._call(f"complete upload {key}", lambda: self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=k, UploadId=upload_id,
-                MultipartUpload={"Parts": [p for _, p in results]}))
+                digests = list(pool.map(_exchange.carry(part), enumerate(spans(size))))
+            self._commit(handle)
         except BaseException:
-            try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=upload_id)
-            except Exception:
-                pass
+            self._abort(handle)
             raise
-        return [d for d, _ in results]
-
-    def _begin(self, key: str) -> dict[str, Any]:
-        k = self._key(key)
-        upload_id = self._call(f"start upload {key}", lambda: self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=k)["UploadId"])
-        return {"key": key, "k": k, "id": upload_id, "parts": {}}
-
-    def _part(self, handle: dict[str, Any], index: int, data: bytes) -> None:
-        b64, hexd = _md5(data)
-        key, k, n = handle["key"], handle["k"], index + 1
-        r = self._call(f"upload part {n} of {key}", lambda: self.client.upload_part(
-            Bucket=self.bucket, Key=k, UploadId=handle["id"], PartNumber=n, Body=data, ContentMD5=b64))
-        if r["ETag"].strip('"') != hexd:
-            raise SnapguardError(Reason.UPLOAD_INCOMPLETE, f"part {n} of {key}: the store answered ETag "
-                                 f"{r['ETag']}, the part's MD5 is {hexd}", evidence={"store": self.url})
-        handle["parts"][n] = r["ETag"]
-
-    def _commit(self, handle: dict[str, Any]) -> None:
-        parts = [{"PartNumber": n, "ETag": etag} for n, etag in sorted(handle["parts"].items())]
-        self._call(f"complete upload {handle['key']}", lambda: self.client.complete_multipart_upload(
-            Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"], MultipartUpload={"Parts": parts}))
-
-    def _abort(self, handle: dict[str, Any]) -> None:
-        try:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=handle["k"], UploadId=handle["id"])
-        except Exception:  # best effort: an unfinished multipart upload is never an object
-            pass
+        return digests
 
     def _sweep(self, prefix: str) -> int:
         full = self._key(prefix)
+        ups = iter(self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full))
+        gone = 0
+        for _ in range(_MAX_PAGES):
+            page = self._call(f"list unfinished uploads under {prefix}", lambda: next(ups, None))
+            if page is None:
+                break
+            for up in page.get("Uploads", []) if isinstance(page, dict) else []:
+                self._call(f"abort unfinished upload {up.get('Key')}", lambda up=up: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]))
+                gone += 1
+        return gone
 
-        def sweep() -> int:
-            gone = 0
-            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
-                for up in page.get("Uploads", []):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    gone += 1
-            return gone
-
-        return self._call(f"abort unfinished uploads under {prefix}", sweep)
-
+    # ---- download ---------------------------------------------------------------------------
     def _download(self, key: str, size: int, out_fd: int, progress: Progress) -> list[bytes]:
         from botocore.exceptions import ClientError
 
@@ -222,35 +337,36 @@ class S3Store(Store):
             if length == 0:
                 return h.digest()
 
-            def get() -> Any:
+            def get_span() -> None:
+                """The ranged GET and its whole body: one exchange, one deadline."""
                 try:
-                    return self.client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes={off}-{off + length - 1}")
+                    r = self.client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes={off}-{off + length - 1}")
                 except ClientError as e:
                     if self._code(e) in ("NoSuchKey", "404", "InvalidRange"):
                         raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key} is missing or short in the "
                                              "store", evidence={"store": self.url, "key": key}) from None
                     raise
+                ex = _exchange.Exchange.current()
+                got, body = 0, r["Body"]
+                try:
+                    while True:
+                        block = body.read(_CHUNK)
+                        if not block or (ex is not None and ex.expired):
+                            break
+                        if got + len(block) > length:
+                            raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key}: the store sent more "
+                                                 "than asked", evidence={"store": self.url, "key": key})
+                        h.update(block)
+                        os.pwrite(out_fd, block, off + got)
+                        got += len(block)
+                        progress.add(len(block))
+                finally:
+                    body.close()
+                if got != length:
+                    raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key}: {got} of {length} bytes at "
+                                         f"{off}", evidence={"store": self.url, "key": key})
 
-            r = self._call(f"get {key} at {off}", get)
-            got = 0
-            body = r["Body"]
-            try:
-                while True:
-                    block = self._call(f"read {key} at {off + got}", lambda: body.read(_CHUNK))
-                    if not block:
-                        break
-                    if got + len(block) > length:
-                        raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key}: the store sent more than "
-                                             "asked", evidence={"store": self.url, "key": key})
-                    h.update(block)
-                    os.pwrite(out_fd, block, off + got)
-                    got += len(block)
-                    progress.add(len(block))
-            finally:
-                body.close()
-            if got != length:
-                raise SnapguardError(Reason.IMAGE_CORRUPT, f"image file {key}: {got} of {length} bytes at {off}",
-                                     evidence={"store": self.url, "key": key})
+            self._call(f"get {key} at {off}", get_span, length)
             return h.digest()
 
         if size > 0:
@@ -263,14 +379,16 @@ class S3Store(Store):
         if len(todo) == 1:
             return [span(todo[0])]
         with ThreadPoolExecutor(max_workers=self.parallel) as pool:
-            return list(pool.map(span, todo))
+            return list(pool.map(_exchange.carry(span), todo))
 
     def _head(self, k: str) -> int | None:
         from botocore.exceptions import ClientError
 
         try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=k)["ContentLength"])
+            r = self.client.head_object(Bucket=self.bucket, Key=k)
         except ClientError as e:
             if self._code(e) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
+        size = r.get("ContentLength")
+        return size if isinstance(size, int) else -1

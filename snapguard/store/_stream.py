@@ -18,6 +18,7 @@ dump that fails ends with `abort()`: every part and object sent is deleted, noth
 
 from __future__ import annotations
 
+import contextvars
 import os
 import stat
 import threading
@@ -26,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..names import NOT_IMAGE_FILES, TAKE_SPILL
+from . import _exchange
 from ._digest import SPAN, combine
 from ._members import check_member, read_sealed, read_span, upload_member
 
@@ -51,7 +53,7 @@ class StreamingPush:
     s.finish()`; leaving the block without finish() aborts."""
 
     def __init__(self, store: Any, image_dir: str, job: str, name: str, epoch: int, progress: Any,
-                 *, parallel: int = 4, poll_s: float = 0.02) -> None:
+                 *, parallel: int = 4, poll_s: float = 0.02, deadline_s: float | None = None) -> None:
         self.store, self.image_dir, self.job, self.name, self.epoch = store, image_dir, job, name, epoch
         self.prefix = f"{job}/images/{name}/"
         self.progress = progress
@@ -66,12 +68,16 @@ class StreamingPush:
         self._count = threading.Lock()
         self.resent: list[str] = []  # files uploaded again whole because their streamed bytes differed
         self.finished = False
+        self.deadline_s = deadline_s  # from start() to the end of finish(); None: by the image's size
+        self._ctx = contextvars.copy_context()
 
     # -- while the dump runs ------------------------------------------------------------------
     def start(self) -> StreamingPush:
         self._dir_fd = os.open(self.image_dir, _O_DIR)
         self.progress.start(0, f"push {self.job}/{self.name} (streaming)")
-        self._thread = threading.Thread(target=self._watch, name="stream-watch", daemon=True)
+        with _exchange.operation(self.deadline_s, f"push {self.job}/{self.name}"):
+            self._ctx = contextvars.copy_context()  # what every thread of this push runs under
+        self._thread = threading.Thread(target=self._in(self._watch), name="stream-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -123,7 +129,7 @@ class StreamingPush:
     def _submit_spans(self, f: _Follower, size: int, *, whole_only: bool) -> None:
         while f.sent * SPAN + (SPAN if whole_only else 1) <= size:
             index = f.sent
-            f.futures.append(self._pool.submit(self._send, f, index, min(SPAN, size - index * SPAN)))
+            f.futures.append(self._pool.submit(self._in(self._send), f, index, min(SPAN, size - index * SPAN)))
             f.sent += 1
 
     def _send(self, f: _Follower, index: int, length: int) -> None:
@@ -138,8 +144,15 @@ class StreamingPush:
                 self.streamed_bytes += len(data)
 
     # -- after the seal -----------------------------------------------------------------------
+    def _in(self, fn: Any) -> Any:
+        """`fn` to run (in any thread) under this push's deadline."""
+        return lambda *a: self._ctx.copy().run(fn, *a)
+
     def finish(self) -> Any:
         """Complete the upload against the sealed manifest; the marker last. Any failure aborts."""
+        return self._in(self._finish)()
+
+    def _finish(self) -> Any:
         self._halt()
         try:
             if self._error is not None:
@@ -149,6 +162,7 @@ class StreamingPush:
             files: dict[str, dict[str, Any]] = manifest["files"]
             total = sum(int(e["size"]) for e in files.values())
             self.progress.total = total
+            _exchange.by_size(total, f"push {self.job}/{self.name}")
             for fname in files:
                 check_member(fname)
             for name in list(self._followers):
@@ -172,7 +186,7 @@ class StreamingPush:
                     self.store._commit(f.handle)
                     f.handle = None
             todo = [n for n in sorted(files) if n not in self._followers]
-            futures = [self._pool.submit(upload_member, self.store, self._dir_fd, self.image_dir, self.prefix,
+            futures = [self._pool.submit(self._in(upload_member), self.store, self._dir_fd, self.image_dir, self.prefix,
                                          n, files[n], self.progress) for n in todo]
             for fut in futures:
                 fut.result()
@@ -186,7 +200,12 @@ class StreamingPush:
         return ref
 
     def abort(self) -> None:
-        """Delete every part and object sent (best effort: an unmarked leftover never counts)."""
+        """Delete every part and object sent (best effort: an unmarked leftover never counts),
+        under a short deadline of its own."""
+        with _exchange.cleanup(f"remove the failed push {self.job}/{self.name}"):
+            self._abort_all()
+
+    def _abort_all(self) -> None:
         self._halt()
         for name in list(self._followers):
             try:

@@ -106,8 +106,10 @@ def test_snapguard_runc_restore_from_refused_after_the_fetch_names_the_file_chec
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1, out.stderr
     record = json.loads((work / RESULT_NAME).read_text())
-    # refused by the restore itself, after the fetch took the epoch
-    assert (record["ok"], record["phase"], store.current_epoch("fb-job")) == (False, "restore", 1), record
+    # refused by the restore itself: the epoch it took right before runc's restore is rolled back,
+    # so a live copy of the job elsewhere is not fenced by an attempt that never ran
+    assert (record["ok"], record["phase"], store.current_epoch("fb-job")) == (False, "restore", 0), record
+    assert record["evidence"]["epoch_rolled_back"]["epoch"] == 1, record
     assert record["evidence"].get("file_checkpoint") == "/ckpt/fb-job/step-100", record
     assert record["evidence"]["job"] == "fb-job", record
 

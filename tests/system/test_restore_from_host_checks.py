@@ -154,7 +154,8 @@ def test_restore_from_refused_by_a_host_check_has_the_same_reason_and_leaves_not
     """The host checks fail (ahead, during the fetch): the restore is refused after the fetch with
     the reason a restore of the same image from a directory gives (CRIU_CHECK_FAILED), naming
     the job; CRIU never restores, nothing runs, no thread is left, and the fetched copy is
-    handled as before (whole, in the state dir, the epoch taken)."""
+    handled as before (whole, in the state dir); no epoch is taken (that is the last step before
+    CRIU)."""
     url, log = stored
     criu, record = criu_failing_check(tmp_path / "b")
     config = node_config(tmp_path / "b", criu=str(criu))
@@ -173,7 +174,7 @@ def test_restore_from_refused_by_a_host_check_has_the_same_reason_and_leaves_not
     assert lines(log) == last  # nothing restored runs
     pulled = list((tmp_path / "b" / "state" / "pulled").iterdir())
     assert len(pulled) == 1 and image.verify(str(pulled[0])).to_json()["files"], pulled
-    assert store.current_epoch("train") == 1
+    assert store.current_epoch("train") == 0
     # the same image restored from its directory, the host checks run in the preflight itself
     with pytest.raises(SnapguardError) as plain:
         pipeline.restore_images(str(pulled[0]), config)

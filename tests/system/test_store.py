@@ -427,9 +427,8 @@ def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path
         ok = snapguard("push", "--images", str(sealed), "--to", url, "--job", "train", env=env_b,
                        preexec=nodes.enter("b"))
         assert ok.returncode == 0, ok.stderr
-        # two more restores race for the image (both saw epoch 1): one takes 2, the other is FENCED
-        # before CRIU (the pid is held by the first restore, so neither may run CRIU: the winner is
-        # refused with PID_CONFLICT after taking the epoch, the loser changes nothing)
+        # two more restores of the image node b was restored from: both ALREADY_RESTORED, before
+        # anything is fetched or started, and no epoch is taken
         racers = [subprocess.Popen([SNAPGUARD, "restore", "--from", url, "--job", "train", "--image", pushed, "--json"],
                                    env={**os.environ, **(env_a if n == "a" else env_b)}, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=nodes.enter(n))
@@ -439,8 +438,8 @@ def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path
             if stdout.strip().startswith("{") and json.loads(stdout).get("ok"):
                 subprocess.run(["kill", "-9", str(json.loads(stdout)["pid"])], check=False)
         lines = sorted((err.splitlines() or ["(none)"])[0].split(":")[0] for _, err in outs)
-        assert lines == ["snapguard FENCED", "snapguard PID_CONFLICT"], lines
-        assert store.current_epoch("train") == 2
+        assert lines == ["snapguard ALREADY_RESTORED", "snapguard ALREADY_RESTORED"], lines
+        assert store.current_epoch("train") == 1
     finally:
         proc.kill()
         if restored:

@@ -1,0 +1,214 @@
+"""Hostile contents written into a real store (file:// and a real radosgw): store records, markers
+and file-checkpoint records that are not objects, of the wrong shape, nested deep or huge. Each is
+refused with STORE_RECORD_INVALID, never in the way of the newest good image or of an older good
+file checkpoint; and a store that answers every put as done while keeping nothing (a proxy in
+front of the real radosgw) never gets an image marked whole."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import random
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapguard import image
+from snapguard.names import MARKER_NAME
+from snapguard.procfs import host_facts
+from snapguard.reasons import Reason, SnapguardError
+from snapguard.store import STORE_RECORD, open_store
+
+HOSTILE = {
+    "a list": b"[1, 2, 3]",
+    "wrong types": b'{"epoch": "7", "location": 42, "manifest_sha256": true}',
+    "nested deep": b'{"epoch": 1, "location": "x", "manifest_sha256": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    "huge": b'{"epoch": 1, "location": "' + b"a" * (1 << 20) + b'"}',
+}
+
+
+@pytest.fixture(scope="module")
+def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from snapguard_lab.s3 import RadosGW
+
+    if RadosGW.missing():
+        pytest.skip(f"radosgw cannot start here: missing {', '.join(RadosGW.missing())} "
+                    "(packaging/install-deps.sh installs ceph-mon ceph-osd radosgw ceph-common)")
+    from snapguard_lab.s3 import RadosGWError
+
+    for attempt in range(2):  # a port another suite's radosgw holds on this shared machine: once more, elsewhere
+        port = random.randrange(18000, 18900)
+        gw = RadosGW(tmp_path_factory.mktemp("rgw"), port=port, mon_port=port + 24000)
+        try:
+            gw.start()
+            break
+        except RadosGWError:
+            if attempt:
+                raise
+    saved = {k: os.environ.get(k) for k in gw.env()}
+    os.environ.update({k: v for k, v in gw.env().items() if k != "CEPH_CONF"})
+    try:
+        yield gw
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gw.stop()
+
+
+def new_bucket(gw: object) -> str:
+    import boto3
+
+    bucket = f"sg-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+    return bucket
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    return f"s3://{new_bucket(request.getfixturevalue('rgw'))}/snaps"
+
+
+@pytest.fixture(scope="module")
+def sealed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("sealed") / "img"
+    d.mkdir(mode=0o700)
+    (d / "pages-1.img").write_bytes(os.urandom(300_000))
+    (d / "core-1.img").write_bytes(b"core")
+    image.seal(str(d), {"container_id": "c", "criu_version": "4.2.1", "host": host_facts(), "processes": []})
+    return d
+
+
+def overwrite(store: object, key: str, data: bytes) -> None:
+    store._put(key, data)  # type: ignore[attr-defined]  # what anyone with write access to the store can do
+
+
+@pytest.mark.parametrize("what", sorted(HOSTILE))
+def test_a_bad_store_record_never_blocks_the_newest_good_image(store_url: str, sealed: Path, tmp_path: Path,
+                                                                what: str) -> None:
+    store = open_store(store_url)
+    old = store.push(str(sealed), "job1")
+    new = store.push(str(sealed), "job1")
+    # a bad record on the OLD image: listing, newest and the pull of the newest go on
+    overwrite(store, f"job1/images/{old.name}/{STORE_RECORD}", HOSTILE[what])
+    assert store.newest("job1").name == new.name
+    listed = {r.name: r for r in store.images("job1", whole_only=False)}
+    assert listed[old.name].complete is False and "STORE_RECORD_INVALID" in (listed[old.name].invalid or "")
+    store.pull(store.newest("job1"), str(tmp_path / "pulled"))
+    # a bad record on the NEWEST image: it does not count; the older good one is the newest
+    store = open_store(store_url)
+    overwrite(store, f"job1/images/{old.name}/{STORE_RECORD}",
+              b'{"epoch": 0, "job": "job1", "name": "%s"}' % old.name.encode())
+    overwrite(store, f"job1/images/{new.name}/{STORE_RECORD}", HOSTILE[what])
+    assert store.newest("job1").name == old.name
+    with pytest.raises(SnapguardError) as e:
+        store.pull(new, str(tmp_path / "refused"))
+    assert e.value.reason is Reason.STORE_RECORD_INVALID and "\n" not in str(e.value)
+    assert not (tmp_path / "refused").exists() or not os.listdir(tmp_path / "refused")
+
+
+@pytest.mark.parametrize("what", ["a list", "nested deep", "wrong types"])
+def test_a_bad_marker_on_the_newest_image_falls_back_to_the_older_one(store_url: str, sealed: Path,
+                                                                     tmp_path: Path, what: str) -> None:
+    store = open_store(store_url)
+    old = store.push(str(sealed), "job1")
+    new = store.push(str(sealed), "job1")
+    overwrite(store, f"job1/images/{new.name}/{MARKER_NAME}", HOSTILE[what][:4000])
+    assert store.newest("job1").name == old.name
+    with pytest.raises(SnapguardError) as e:
+        store.pull(new, str(tmp_path / "refused"))
+    assert e.value.reason is Reason.STORE_RECORD_INVALID
+
+
+def test_bad_file_checkpoint_records_never_lose_the_older_good_one(store_url: str) -> None:
+    store = open_store(store_url)
+    store.register_file_checkpoint("job1", "s3://ckpt/job1/step-1000")
+    for i, what in enumerate(sorted(HOSTILE)):  # newer than the good one (names sort by time)
+        overwrite(store, f"job1/file-checkpoints/29991231T000000.{i:06d}Z.json", HOSTILE[what])
+    assert store.newest_file_checkpoint("job1") == "s3://ckpt/job1/step-1000"
+
+
+class ForgetfulProxy:
+    """In front of the real radosgw: forwards every request as it came (its signature intact),
+    except a PUT of an image's page file, which it answers 200 with the body's MD5 as ETag and
+    drops: a store that says yes and keeps nothing."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.dropped: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        f = conn.makefile("rb")
+        try:
+            while True:
+                line = f.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode("latin-1").split(" ", 2)
+                headers: list[tuple[str, str]] = []
+                while (h := f.readline()) not in (b"\r\n", b""):
+                    k, v = h.decode("latin-1").split(":", 1)
+                    headers.append((k.strip(), v.strip()))
+                hd = {k.lower(): v for k, v in headers}
+                if hd.get("expect", "").lower() == "100-continue":
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = f.read(int(hd.get("content-length", "0")))
+                if method == "PUT" and "/pages-" in target and "uploadId" not in target:
+                    self.dropped.append(target)
+                    etag = hashlib.md5(body).hexdigest()
+                    conn.sendall(f'HTTP/1.1 200 OK\r\nETag: "{etag}"\r\nContent-Length: 0\r\n\r\n'.encode())
+                    continue
+                up = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
+                up.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for k, v in headers:
+                    if k.lower() != "expect":
+                        up.putheader(k, v)
+                up.endheaders(body)
+                r = up.getresponse()
+                data = r.read()
+                out = f"HTTP/1.1 {r.status} {r.reason}\r\n"
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        out += f"{k}: {v}\r\n"
+                conn.sendall(out.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() +
+                             (b"" if method == "HEAD" else data))
+                up.close()
+        except (OSError, ValueError):
+            return
+        finally:
+            conn.close()
+
+
+def test_a_store_that_says_yes_and_keeps_nothing_never_gets_a_marker(rgw, sealed: Path) -> None:
+    from snapguard.store._s3 import S3Store
+
+    bucket = new_bucket(rgw)
+    proxy = ForgetfulProxy(rgw.port)  # type: ignore[attr-defined]
+    store = S3Store(f"s3://{bucket}/snaps", bucket, "snaps", endpoint_url=f"http://127.0.0.1:{proxy.port}",
+                    exchange_s=10)
+    with pytest.raises(SnapguardError) as e:
+        store.push(str(sealed), "job1")
+    assert e.value.reason is Reason.STORE_WRITE_UNCONFIRMED and "pages-1.img" in str(e.value)
+    assert proxy.dropped, "the proxy dropped no put: the test proved nothing"
+    direct = open_store(f"s3://{bucket}/snaps")
+    assert direct.images("job1", whole_only=False) == [] and direct.newest("job1") is None
