@@ -8,10 +8,15 @@ A child given no environment gets the executor's, less the entry that names a cu
 broker (snapguard.wire.BROKER_ENV): the CRIU run a broker serves is told of it by the environment
 its caller builds; a child started here with snapguard's own (a `cuda-checkpoint -h` probe, ctr)
 never inherits one.
+
+Every child dies with the executor: it is started with a parent-death signal (SIGKILL, from
+PR_SET_PDEATHSIG; it fires when the thread that started it ends, and `run` and `run_captured`
+wait in that thread), so a killed `snapguard-runc` leaves no runc or CRIU behind it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,6 +27,20 @@ from .reasons import Reason, SnapguardError
 from .wire import BROKER_ENV
 
 __all__ = ["ChildTimeout", "probe", "run", "run_captured"]
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork: the child only calls it
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    """The child's step before exec: SIGKILL when its parent thread ends; and, when the parent is
+    already gone (it died before the signal was set), exit at once."""
+    def die_with_parent() -> None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(127)
+    return die_with_parent
 
 
 class ChildTimeout(SnapguardError):
@@ -60,7 +79,7 @@ def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Ma
     gets `pointless_reason` with that why."""
     try:
         proc = subprocess.Popen(argv, env=_environment(env), close_fds=not inherit_fds, process_group=0,
-                                stdin=None if inherit_fds else subprocess.DEVNULL)
+                                stdin=None if inherit_fds else subprocess.DEVNULL, preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
     deadline = time.monotonic() + timeout_s
@@ -97,7 +116,8 @@ def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason
     """Run argv with its output captured (text, undecodable bytes replaced) within timeout_s."""
     try:
         proc = subprocess.Popen(argv, env=_environment(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace", process_group=0)
+                                stderr=subprocess.PIPE, text=True, errors="replace", process_group=0,
+                                preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
     try:

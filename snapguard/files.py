@@ -106,13 +106,15 @@ class FileCopy:
     spilled bytes (snapguard.takepoint.spill.Spill): written into the image beside CRIU's run, or after
     the release, instead of by CRIU inside the stall.
 
-    `start()` returns at once; `wait()` returns once every byte is written, or raises the first
+    `max_allocated`: the copy stops with an OSError once the source holds more allocated bytes
+    than that (a file filled while copied is not written). `start()` returns at once; `wait()` returns once every byte is written, or raises the first
     OSError; `close()` stops what is left (after a failure) and closes the new file."""
 
     CHUNK = 64 << 20
 
-    def __init__(self, src_fd: int, dir_fd: int, name: str, size: int) -> None:
+    def __init__(self, src_fd: int, dir_fd: int, name: str, size: int, max_allocated: int | None = None) -> None:
         self.src, self.size, self.name = src_fd, size, name
+        self.max_allocated = max_allocated  # the source's allocated bytes may not grow past this while copied
         self.error: OSError | None = None
         self.seconds: float | None = None
         self._stop = threading.Event()
@@ -130,6 +132,10 @@ class FileCopy:
         done = 0
         try:
             while done < self.size and not self._stop.is_set():
+                held = os.fstat(self.src).st_blocks * 512
+                if self.max_allocated is not None and held > self.max_allocated:
+                    raise OSError(f"{self.name}: the source grew to {held} allocated bytes while copied, past the "
+                                  f"{self.max_allocated} it held when it was handed over")
                 sent = os.sendfile(self._dst, self.src, done, min(self.CHUNK, self.size - done))
                 if sent <= 0:
                     raise OSError(f"{self.name}: the source ends {done} bytes in, {self.size - done} short")

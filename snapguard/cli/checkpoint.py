@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> None:
                             "of its environment, else /run/snapguard-spill where a tmpfs is mounted there (with "
                             "huge pages: `snapguard preflight --node` says), else /dev/shm; "
                             "SNAPGUARD_TAKE_SPILL=0 keeps them in its memory. Exit 0 done, "
-                            "1 refused or failed (one typed line on stderr)."))
+                            "1 refused or failed (one typed line on stderr), 2 usage, configuration or an "
+                            "untrusted install (UNTRUSTED_PATH): nothing was tried."))
     ck.add_argument("--pid", type=int, required=True, help="root of the process tree")
     ck.add_argument("--images", required=True, metavar="DIR", help="image directory (created 0700)")
     ck.add_argument("--leave-running", action="store_true", help="keep the tree running after the snapshot")

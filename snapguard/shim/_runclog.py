@@ -39,8 +39,11 @@ def write_log_line(log_path: str | None, log_format: str, level: str, msg: str) 
         print(line, file=sys.stderr)
 
 
-def report_failure(failure: Failure, log_path: str | None, log_format: str, work_path: str | None) -> int:
-    """Write the failure to --log, stderr and the result file; return runc's exit status 1."""
+def report_failure(failure: Failure, log_path: str | None, log_format: str, work_path: str | None,
+                   code: int = 1) -> int:
+    """Write the failure to --log, stderr and the result file; return `code`: 1 (refused or
+    failed, as runc's), or 2 (the command line, the configuration or the install is unusable:
+    nothing was tried), the exit codes `snapguard` keeps too."""
     write_log_line(log_path, log_format, "error", failure.message)
     if log_path:
         print(failure.message, file=sys.stderr)
@@ -51,4 +54,4 @@ def report_failure(failure: Failure, log_path: str | None, log_format: str, work
             write_record(work_path, failure.to_dict(), create=True, follow_link=True)
         except Exception as e:  # called from the boundary's own handler: nothing may escape it
             print(f"snapguard: cannot write result to {work_path}: {e}", file=sys.stderr)
-    return 1
+    return code

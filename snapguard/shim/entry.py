@@ -61,7 +61,8 @@ def _fail(reason: str, message: str, args: list[str]) -> int:
         opts = split_global(args)
     except ArgvError as e:
         opts = e.opts or GlobalOptions()  # the flags before the error: --log is usually among them
-    return report_failure(Failure(Reason[reason], message), opts.log, opts.log_format, None)
+    # a command line or a configuration it cannot use: exit 2, as `snapguard` does
+    return report_failure(Failure(Reason[reason], message), opts.log, opts.log_format, None, 2)
 
 
 def main(argv: list[str] | None = None) -> int:

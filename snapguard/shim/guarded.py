@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from .. import pipeline
-from ..config import check_pinned_binary, load
+from ..config import ConfigError, check_pinned_binary, load
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._argv import ArgvError, GlobalOptions, parse_subcommand
 from ._runclog import report_failure
@@ -42,7 +42,9 @@ def run_guarded(args: list[str], opts: GlobalOptions) -> int:
     except KeyboardInterrupt:
         return report_failure(Failure(Reason.INTERNAL_ERROR, "interrupted"), opts.log, opts.log_format, work_path)
     except Exception as e:  # the boundary: every failure is one typed line, never a traceback
-        return report_failure(_failure(e), opts.log, opts.log_format, work_path)
+        failure = _failure(e)
+        unusable = isinstance(e, ConfigError) or failure.reason.phase.value == "usage"
+        return report_failure(failure, opts.log, opts.log_format, work_path, 2 if unusable else 1)
     try:
         pipeline.write_record(sub.work_path, result, create=True, follow_link=True)
     except OSError as e:

@@ -9,8 +9,9 @@ POOL_SHUTDOWN_AT_TAKE); the preflight lets a compile pool that the hold shuts do
 after the hold every process under the held trainers is read again: one that still holds GPU
 handles without a CUDA context refuses the snapshot, the trainers released, before anything is
 frozen. A container's filesystem is not trusted: every directory on the way must be a real
-directory and the socket a socket, so a symlink cannot send the executor (root) to a socket of
-the host.
+directory, opened one by one without following a link, and the socket a socket of the
+trainer's user, answered by the trainer itself (SO_PEERCRED) before anything is sent: a link
+swapped in cannot send the executor (root) to a socket of the host.
 
 Asked with `spill` (a trainer whose status offers it, with a spill directory the executor reaches:
 `spill.spill_dirs`), a trainer moves its tensors' bytes into a file of its own on a tmpfs instead
@@ -28,6 +29,7 @@ import json
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from .protocol import (COMPILE_POOL, ERROR, OK, POOL_PIDS, SPILL_BUSY, STEP, TAK
                        release_request, status_request, take_request)
 from .spill import Spill
 
-__all__ = ["SOCKET", "TakeResult", "hold", "release_all", "socket_for", "stray_under", "trainers"]
+__all__ = ["SOCKET", "PeerRefused", "TakeResult", "hold", "release_all", "socket_for", "stray_under", "trainers"]
 
 SOCKET = "socket"  # the key `trainers` adds to each status: the host path of its socket
 _REFUSED = "refused"  # the key `_take` adds to an answer it cannot take
@@ -68,6 +70,8 @@ def socket_for(pid: int, proc: str | None = None) -> str | None:
             return None
         path = f"{proc}/{pid}/root"
         for part in [p for p in take_dir.split("/") if p]:
+            if part in (".", ".."):  # ".." at the container's root is the host's directory above it
+                return None
             path = f"{path}/{part}"
             if not stat.S_ISDIR(os.lstat(path).st_mode):
                 return None
@@ -77,26 +81,81 @@ def socket_for(pid: int, proc: str | None = None) -> str | None:
         return None
 
 
-def _ask(path: str, line: str, timeout: float, send: int | None = None) -> dict[str, Any]:
-    reply, fds = _ask_fds(path, line, timeout, send)
+class PeerRefused(ValueError):
+    """The socket answered is not the trainer's: a link where its socket was, or another process."""
+
+
+_O_PATH_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _open_socket_dir(path: str, pid: int) -> int:
+    """The directory holding `path`, opened O_PATH. Under /proc/PID/root (the trainer's root, a
+    link procfs resolves) each directory is opened through the one before it without following a
+    link, so nothing checked before can be swapped for a link on the way now."""
+    parent = os.path.dirname(path)
+    root = f"{procfs.procfs_path()}/{pid}/root"
+    if parent != root and not parent.startswith(root + "/"):
+        return os.open(parent, _O_PATH_DIR)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [p for p in parent[len(root):].split("/") if p]:
+            if part in (".", ".."):
+                raise PeerRefused(f"{path}: {part!r} on the way to a take point's socket")
+            below = os.open(part, _O_PATH_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _connect(path: str, pid: int, timeout: float) -> socket.socket:
+    """A connection to pid's take point at `path`, through a descriptor of its directory (a path
+    under /proc/PID/root can pass the length limit of socket addresses, and no directory on the
+    way can be swapped for a link after the check). The entry must be a socket (not a link) of
+    the trainer's user; the kernel resolves that last name itself at connect, so the peer is
+    then asked who it is (SO_PEERCRED: pid, as this pid namespace sees it, and uid) and must be
+    the trainer, before anything is sent. PeerRefused otherwise."""
+    uid = procfs.euid(pid)
+    if uid is None:
+        raise PeerRefused(f"pid {pid} is gone, or its user cannot be read")
+    dir_fd = _open_socket_dir(path, pid)
+    try:
+        name = os.path.basename(path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid:
+            raise PeerRefused(f"{path} is not a socket of pid {pid}'s user {uid}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(f"{procfs.self_fd(dir_fd)}/{name}")
+            peer_pid, peer_uid, _ = _UCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if peer_pid != pid or peer_uid != uid:
+                raise PeerRefused(f"{path} is answered by pid {peer_pid} uid {peer_uid}, not by the trainer "
+                                  f"(pid {pid} uid {uid}): nothing was sent")
+        except BaseException:
+            s.close()
+            raise
+        return s
+    finally:
+        os.close(dir_fd)
+
+
+def _ask(path: str, pid: int, line: str, timeout: float, send: int | None = None) -> dict[str, Any]:
+    reply, fds = _ask_fds(path, pid, line, timeout, send)
     for fd in fds:
         os.close(fd)
     return reply
 
 
-def _ask_fds(path: str, line: str, timeout: float, send: int | None = None) -> tuple[dict[str, Any], list[int]]:
-    """The reply to one request and the descriptors that came with it (the caller closes them);
-    `send`: a descriptor to pass with the request."""
-    # Through a descriptor of the directory: a path under /proc/PID/root can pass the length limit
-    # of socket addresses, and the directory cannot be swapped for a symlink after the check.
-    dir_fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(f"{procfs.self_fd(dir_fd)}/{os.path.basename(path)}")
-            return _exchange(s, line, send)
-    finally:
-        os.close(dir_fd)
+def _ask_fds(path: str, pid: int, line: str, timeout: float,
+             send: int | None = None) -> tuple[dict[str, Any], list[int]]:
+    """The reply of pid's take point at `path` to one request, and the descriptors that came with
+    it (the caller closes them); `send`: a descriptor to pass with the request."""
+    with _connect(path, pid, timeout) as s:
+        return _exchange(s, line, send)
 
 
 _MAX_REPLY = 1 << 20  # a take point's answer is a few KB: more is not read into the executor
@@ -140,7 +199,7 @@ def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, An
         if path is None:
             continue
         try:
-            st = _ask(path, status_request(), 5.0)
+            st = _ask(path, pid, status_request(), 5.0)
         except (OSError, ValueError):
             continue
         if st.get(TRAINER):
@@ -156,7 +215,7 @@ def _take(path: str, pid: int, at_step: int | None, wait_s: float, spill: bool, 
     (`refused`): the trainer is released (it reloads from its own name) and the snapshot must not
     go on, since the trainer is not held."""
     try:
-        reply, fds = _ask_fds(path, take_request(wait_s, spill, at_step), wait_s + 5)
+        reply, fds = _ask_fds(path, pid, take_request(wait_s, spill, at_step), wait_s + 5)
     except (OSError, ValueError) as e:
         return {OK: False, ERROR: str(e)}
     try:
@@ -167,7 +226,7 @@ def _take(path: str, pid: int, at_step: int | None, wait_s: float, spill: bool, 
             for fd in fds:
                 os.close(fd)
     except (ValueError, OSError, TypeError, AttributeError) as e:  # received closed the descriptors
-        _ask_quietly(path, release_request(), 10.0)
+        _ask_quietly(path, pid, release_request(), 10.0)
         return {OK: False, _REFUSED: True, ERROR: f"its answer cannot be taken: {e}"}
     if got is not None:
         got.pid = pid
@@ -175,9 +234,9 @@ def _take(path: str, pid: int, at_step: int | None, wait_s: float, spill: bool, 
     return reply
 
 
-def _ask_quietly(path: str, line: str, timeout: float) -> None:
+def _ask_quietly(path: str, pid: int, line: str, timeout: float) -> None:
     try:
-        _ask(path, line, timeout)
+        _ask(path, pid, line, timeout)
     except (OSError, ValueError):
         pass  # gone, or it goes on by itself after its hold limit
 
@@ -208,13 +267,13 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            busy = _ask(path, status_request(), 5.0).get(SPILL_BUSY) is True
+            busy = _ask(path, pid, status_request(), 5.0).get(SPILL_BUSY) is True
         except (OSError, ValueError):
             return
         if not busy:
             return
         if time.monotonic() >= deadline:
-            _ask_quietly(path, release_request(), 10.0)  # in case it was held after all (a release repeats safely)
+            _ask_quietly(path, pid, release_request(), 10.0)  # in case it was held after all (a release repeats safely)
             raise SnapguardError(Reason.PREFLIGHT_FAILED,
                                  f"pid {pid} reached its take point as the wait ran out and is still moving its "
                                  f"optimizer's bytes through a file of its own {wait_s:g} s later: an image now "
@@ -347,7 +406,7 @@ def release_all(found: dict[int, dict[str, Any]], spills: dict[int, Spill] | Non
         spill = (spills or {}).get(pid)
         for attempt in range(attempts):
             try:
-                reply = _ask(st[SOCKET], release_request(), timeout,
+                reply = _ask(st[SOCKET], pid, release_request(), timeout,
                              spill.fd if spill is not None and spill.fd >= 0 else None)
                 if reply.get(OK) is True:
                     failed.pop(pid, None)

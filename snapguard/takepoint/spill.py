@@ -76,6 +76,12 @@ class Spill:
             st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_blocks * 512 < moved:
                 raise ValueError(f"the descriptor is no regular file of {size} bytes holding them")
+            # what root writes into the image is bound by what the take reported and by what the
+            # file holds: a storage holds a byte at least, and only its padding to a page may be a hole
+            if storages > moved or size - st.st_blocks * 512 > storages * 4096:
+                raise ValueError(f"the file of {size} bytes holds {st.st_blocks * 512} bytes, the take reports "
+                                 f"{moved} bytes moved in {storages} storages: more than the take moved "
+                                 "would be written")
             if fs_type(fds[0]) != TMPFS_MAGIC:  # memory: its reads cannot hang (a FUSE file's could)
                 raise ValueError("the descriptor's file is not on a tmpfs")
             if not remove_spill_name(path, st.st_dev, st.st_ino, st.st_uid, dry_run=True):
@@ -141,7 +147,8 @@ class SpillCopies:
                                                    "needed": needed})
             for pid, spill in spills.items():
                 name = names.take_spill_name(pid)
-                self.copies[pid] = files.FileCopy(spill.fd, self._dir_fd, name, spill.size)
+                self.copies[pid] = files.FileCopy(spill.fd, self._dir_fd, name, spill.size,
+                                                  max_allocated=os.fstat(spill.fd).st_blocks * 512)
                 figures[pid][OFFLOAD][SPILL][SPILL_FILE] = name
         except BaseException:
             self.close()

@@ -56,7 +56,7 @@ def test_unusable_runc_is_a_typed_one_line_error(tmp_path: Path, snapguard_runc:
     env = {**os.environ, "SNAPGUARD_RUNC": str(tmp_path / "no-runc")}
     out = subprocess.run([snapguard_runc, "--log", str(log), "--log-format", "json", "state", "x"],
                          env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "Traceback" not in out.stderr
     line = json.loads(log.read_text().splitlines()[-1])
     assert line["level"] == "error" and line["msg"].startswith("snapguard RUNC_UNUSABLE: runc ")
@@ -66,7 +66,7 @@ def test_bad_global_argv_naming_a_guarded_verb_is_refused(snapguard_runc: str) -
     """Global flags snapguard cannot parse: when in doubt about the verb and checkpoint or restore
     is named, refuse instead of handing runc a checkpoint without the guards."""
     out = subprocess.run([snapguard_runc, "--bogus", "checkpoint", "c1"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "snapguard USAGE_ERROR: flag provided but not defined: --bogus" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -82,7 +82,7 @@ def test_bad_checkpoint_argv_is_typed(snapguard_runc: str, tmp_path: Path) -> No
     log = tmp_path / "log.json"
     out = subprocess.run([snapguard_runc, "--log", str(log), "--log-format", "json", "checkpoint",
                           "--no-such-flag", "c1"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     msg = json.loads(log.read_text())["msg"]
     assert msg == "snapguard USAGE_ERROR: checkpoint: flag provided but not defined: --no-such-flag"
 

@@ -194,7 +194,7 @@ def test_main_refuses_unknown_global_flag_before_checkpoint(tmp_path: Path, monk
     monkeypatch.setenv("SNAPGUARD_RUNC", sys.executable)
     log = tmp_path / "log.json"
     rc = entry.main(["snapguard-runc", "--log", str(log), "--log-format", "json", "--bogus", "checkpoint", "c1"])
-    assert rc == 1
+    assert rc == 2
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
     assert msg.startswith("snapguard USAGE_ERROR: flag provided but not defined: --bogus") and "checkpoint" in msg
 

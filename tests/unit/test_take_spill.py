@@ -163,13 +163,13 @@ def test_the_take_socket_hands_the_file_over_and_the_release_brings_it_back(shm:
         [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     point = TakePoint()
     path = _served(point, tmp_path)
-    assert take._ask(path, "status\n", 5)["spill"] is True
+    assert take._ask(path, os.getpid(), "status\n", 5)["spill"] is True
     for spill in (True, False):
         trainer = threading.Thread(target=point.at_step_end, args=(opt, (), {}))
         asked: dict[str, object] = {}
 
         def ask() -> None:
-            asked["reply"], asked["fds"] = take._ask_fds(path, f"take 5{' spill' if spill else ''}\n", 10)
+            asked["reply"], asked["fds"] = take._ask_fds(path, os.getpid(), f"take 5{' spill' if spill else ''}\n", 10)
 
         asker = threading.Thread(target=ask)
         asker.start()
@@ -725,7 +725,7 @@ def test_a_spill_begun_as_the_wait_ran_out_is_waited_for_or_refuses_the_snapshot
         if move_s < 2 * wait_s:  # over within the executor's second wait
             figures, warning = take._hold_one(path, os.getpid(), wait_s, True, None, spills)
             assert figures is None and warning is not None and warning.reason is Reason.TAKE_POINT_TIMEOUT
-            assert take._ask(path, "status\n", 5)["spill_busy"] is False  # done: a dump now needs no file
+            assert take._ask(path, os.getpid(), "status\n", 5)["spill_busy"] is False  # done: a dump now needs no file
         else:
             with pytest.raises(SnapguardError) as e:
                 take._hold_one(path, os.getpid(), wait_s, True, None, spills)
