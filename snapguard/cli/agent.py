@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config import load
 from ..notice import (AWS_URL, AZURE_URL, DEFAULT_ADDRESS, DEFAULT_CTR, DEFAULT_RUNC_ROOT, GCE_URL, K8S_CA, K8S_TOKEN,
-                      K8S_URL, SOURCE_NAMES)
+                      K8S_URL, SOURCE_ALIASES, SOURCE_NAMES)
 from ..reasons import Reason, SnapguardError
 from ._base import positive_seconds, root_only, seconds_or_off
 
@@ -20,11 +20,25 @@ __all__ = ["AGENT_EPILOG", "add_parser", "run"]
 
 AGENT_EPILOG = """\
 sources (--source, repeatable; default: local only):
-  aws    EC2 spot instance-action through IMDSv2 (token first), 2 minutes' lead
-  gce    GCE instance/preempted (watched with wait_for_change) and maintenance-event
-  azure  Azure Scheduled Events, Preempt (and Terminate)
-  k8s    a pod's DisruptionTarget condition (--k8s-pod) and/or its node being drained (--k8s-node)
-  local  the inbox `snapguard notice` writes to (always watched)
+  aws         EC2 spot instance-action through IMDSv2 (token first), 2 minutes' lead
+  gce         GCE instance/preempted (watched with wait_for_change) and maintenance-event (alias gcp)
+  azure       Azure Scheduled Events, Preempt (and Terminate)
+  kubernetes  a watch (list, then watch from its resourceVersion) of this node (--k8s-node) and of
+              its pods annotated snapguard.io/job (or of one pod, --k8s-pod), with the in-cluster
+              service account's token and CA (alias k8s). A notice: a reclaim taint (GKE's
+              cloud.google.com/impending-node-termination, Karpenter's karpenter.sh/disrupted,
+              the cluster autoscaler's ToBeDeletedByClusterAutoscaler,
+              node.kubernetes.io/out-of-service, the AWS Node Termination Handler's), the
+              kubelet's graceful shutdown, a --k8s-node-condition True, an opted-in pod's
+              DisruptionTarget condition; a plain cordon only with --notice-on-cordon
+  local       the inbox `snapguard notice` writes to (always watched)
+
+Several sources run at once, each in its own thread: the first notice wins, and one reclaim seen
+by two sources snapshots each workload once. Every exchange with a source's peer has one deadline
+(--interval, a watch 60 s; at most half the source's documented lead), however slowly the peer
+answers; what it answers is parsed with bounds and checked against the owner's format. The inbox
+is read without blocking (regular files only, no links, no FIFOs); an entry or a watch event that
+is refused is journaled (notice_refused, with its typed reason) and the next one is still read.
 
 On a notice the agent takes one stopping snapshot of each workload `snapguard protect` registered,
 into --images (a private local directory), then, with --store URL, puts it into the image store.
@@ -50,12 +64,16 @@ def add_parser(sub: Any) -> None:
                         description=("Watch notice sources and, on a reclaim notice, snapshot (and stop) every "
                                      "workload registered with `snapguard protect`, once per notice. Runs until "
                                      "stopped (packaging/systemd/snapguard-agent.service), or one round with --once."))
-    ag.add_argument("--source", action="append", choices=SOURCE_NAMES, default=[], metavar="NAME",
-                    help=f"a notice source to watch: {', '.join(SOURCE_NAMES)} (repeatable)")
+    ag.add_argument("--source", action="append", choices=SOURCE_NAMES + tuple(SOURCE_ALIASES), default=[],
+                    metavar="NAME", help=f"a notice source to watch: {', '.join(SOURCE_NAMES)} (repeatable; "
+                    "several run at once, the first notice wins)")
     ag.add_argument("--store", metavar="URL", help="image store URL (snapguard.store); without it images stay local")
+    ag.add_argument("--textfile", metavar="DIR", help="write snapguard_agent_store_writable (1 when the store took "
+                    "a probe write at start) to DIR/snapguard-agent.prom for node-exporter's textfile collector "
+                    "(default <state_dir>/agent/snapguard-agent.prom)")
     ag.add_argument("--images", metavar="DIR", help="where images are written (default <state_dir>/agent/images; "
                                                       "the state dir is often tmpfs: give a disk for large images)")
-    ag.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
+    ag.add_argument("--interval", type=interval_seconds, default=5.0, metavar="S",
                     help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
     ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
                                                          "act, exit")
@@ -79,31 +97,56 @@ def add_parser(sub: Any) -> None:
     ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
     ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
     ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
-    ag.add_argument("--k8s-url", default=K8S_URL, metavar="URL", help=f"API server (default {K8S_URL})")
+    ag.add_argument("--k8s-url", metavar="URL", help="API server (default https://$KUBERNETES_SERVICE_HOST:"
+                    f"$KUBERNETES_SERVICE_PORT in a pod, else {K8S_URL})")
     ag.add_argument("--k8s-node", metavar="NAME", default=os.environ.get("NODE_NAME"),
-                    help="this node's name: a drain (cordon, autoscaler taint) is a notice (default $NODE_NAME)")
-    ag.add_argument("--k8s-pod", metavar="NS/NAME", help="a pod whose DisruptionTarget condition is a notice")
+                    help="this node's name: its node and its opted-in pods are watched (default $NODE_NAME, "
+                         "which the chart sets from the downward API)")
+    ag.add_argument("--k8s-pod", metavar="NS/NAME", help="watch this one pod instead of the node's opted-in pods: "
+                    "its DisruptionTarget condition is a notice")
+    ag.add_argument("--notice-on-cordon", action="store_true",
+                    help="a plain cordon of this node (spec.unschedulable, as `kubectl cordon` or a drain sets it) "
+                         "is a notice too (default: not; a cordon is routine maintenance)")
     ag.add_argument("--k8s-node-condition", action="append", default=[], metavar="TYPE",
                     help="a node condition type whose status True is a notice (repeatable)")
     ag.add_argument("--k8s-token-file", default=K8S_TOKEN, metavar="PATH", help=f"bearer token (default {K8S_TOKEN})")
     ag.add_argument("--k8s-ca-file", default=K8S_CA, metavar="PATH", help=f"API server CA (default {K8S_CA})")
 
 
+def interval_seconds(text: str) -> float:
+    """--interval: seconds between 0.1 and 3600 (a poll every microsecond is a busy loop)."""
+    value = positive_seconds(text)
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 3600 seconds, not {text}")
+    return value
+
+
+def _check_store(url: str | None) -> None:
+    """--store checked where it is given, with the store's own URL checks (USAGE_ERROR), not
+    after a notice stopped the workload."""
+    if url is not None:
+        from ..store import open_store
+
+        open_store(url)
+
+
 def _sources(args: argparse.Namespace, config: Any) -> list[Any]:
     from .. import notice
 
     out: list[Any] = [notice.local_source(config)]
-    for name in dict.fromkeys(args.source):
+    for name in dict.fromkeys(SOURCE_ALIASES.get(n, n) for n in args.source):
         if name == "aws":
             out.append(notice.AwsSpot(args.aws_url))
         elif name == "gce":
             out.append(notice.Gce(args.gce_url))
         elif name == "azure":
             out.append(notice.Azure(args.azure_url))
-        elif name == "k8s":
-            out.append(notice.Kubernetes(args.k8s_url, node=args.k8s_node, pod=args.k8s_pod,
-                                         token_file=args.k8s_token_file or None, ca_file=args.k8s_ca_file or None,
-                                         node_conditions=tuple(args.k8s_node_condition)))
+        elif name == "kubernetes":
+            out.extend(notice.kubernetes_sources(args.k8s_url or notice.k8s_default_url(), node=args.k8s_node,
+                                                 pod=args.k8s_pod, token_file=args.k8s_token_file or None,
+                                                 ca_file=args.k8s_ca_file or None,
+                                                 node_conditions=tuple(args.k8s_node_condition),
+                                                 notice_on_cordon=args.notice_on_cordon))
     return out
 
 
@@ -130,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
     root_only("snapguard agent")
     if args.keep is not None and args.keep < 1:
         raise SnapguardError(Reason.USAGE_ERROR, f"--keep {args.keep}: keep at least the newest whole image")
+    _check_store(args.store)
     config = load()
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
                   log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args),
-                  keep=args.keep, host_checks_every_s=args.host_checks_every or None)
+                  keep=args.keep, host_checks_every_s=args.host_checks_every or None,
+                  metrics_path=os.path.join(os.path.abspath(args.textfile), "snapguard-agent.prom")
+                  if args.textfile else None)
     return agent.run(once=args.once)

@@ -26,15 +26,27 @@ def add_parser(sub: Any) -> None:
     pr.add_argument("--job", metavar="J", help="the job's name (the image's name in the store)")
     pr.add_argument("--file-checkpoint", metavar="PATH", help="the job's file checkpoint: the fallback when no "
                                                                 "snapshot can be taken (journalled)")
-    pr.add_argument("--epoch", type=int, metavar="N", help="the fencing epoch this attempt of the job holds (its "
+    pr.add_argument("--epoch", type=epoch_number, metavar="N", help="the fencing epoch this attempt of the job holds (its "
                                                             "uploads are refused once a newer one is taken)")
     pr.add_argument("--remove", action="store_true", help="remove --pid or --container from the registry")
     pr.add_argument("--list", action="store_true", help="list the registry")
     pr.add_argument("--json", action="store_true", help="print as JSON")
 
 
+def epoch_number(text: str) -> int:
+    """--epoch: an integer >= 0 (the store's epochs count up from 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"an epoch is >= 0, not {text}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from ..notice import Registry, agent_dir
+    from ..notice import check_job
 
     root_only("snapguard protect")
     registry = Registry(agent_dir(load()))
@@ -56,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.job:
         raise SnapguardError(Reason.USAGE_ERROR, "protect needs --job")
+    check_job(args.job)  # the store's own name check: refused now, not after the notice stopped it
     fc = os.path.abspath(args.file_checkpoint) if args.file_checkpoint else None
     entry = (registry.add_pid(args.pid, args.job, fc, args.epoch) if args.pid is not None
              else registry.add_container(args.container, args.root, args.job, fc, args.epoch))

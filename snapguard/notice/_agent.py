@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import files
 from ..config import Config
-from ..reasons import Reason, SnapguardError, failure_from
+from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._recover import recover
+from ._schedule import measured_rate, schedule
 from ._sources import Notice, Source
 from ._state import (IMAGES, INBOX, NOTICES, Registry, agent_dir, append_journal, marked, read_journal,
                      read_private_json, safe_name)
+from ._targets import target_for
 from ._upload import Uploads
 from ._warm import HOST_CHECKS_EVERY_S, WarmHostChecks
 from ._workload import alive, runner
@@ -58,7 +60,8 @@ class Agent:
                  images: str | None = None, interval_s: float = 5.0,
                  log: Callable[[str], None] | None = None, containerd: Any = None,
                  keep: int | None = None, host_checks_every_s: float | None = HOST_CHECKS_EVERY_S,
-                 host_checks_max_age_s: float | None = None) -> None:
+                 host_checks_max_age_s: float | None = None, workers: int | None = None,
+                 metrics_path: str | None = None) -> None:
         self.config = config
         self.dir = agent_dir(config)
         self.images = files.ensure_private_dir(images or os.path.join(self.dir, IMAGES))
@@ -73,6 +76,8 @@ class Agent:
         self._source_state: dict[str, str | None] = {}
         self._lock_fd: int | None = None
         self.containerd = containerd  # a _containerd.ContainerdWatch: annotated containers join the registry
+        self.metrics_path = metrics_path  # the store's probe gauge (a Prometheus textfile)
+        self.workers = workers  # snapshots at once on a notice (None: snapguard.notice._schedule.pool_size)
         self.keep = keep  # after an upload, the job's older images beyond this many whole ones are pruned
         self._skipped_said: set[str] = set()
         # the snapshot's host checks, kept warm while the agent runs (None: off, or --once)
@@ -169,6 +174,7 @@ class Agent:
         """Act on a notice once: False when its id was seen before and its handling finished."""
         seen = self.notices()
         rec = seen.get(notice.id)
+        rec = rec if isinstance(rec, dict) else None  # a record of the wrong shape: acted on as new
         self._consume_inbox(notice)
         if rec is not None and rec.get("status") == "done":
             self.log(f"notice {notice.id} seen before: nothing to do")
@@ -190,8 +196,21 @@ class Agent:
         return True
 
     def _act(self, notice: Notice) -> None:
+        """The registry's live workloads snapshotted concurrently within the notice's lead
+        (snapguard.notice._schedule), each uploaded after its seal when it was not streamed."""
         self.sync_containers()  # what runs now, not what ran at the last sync
-        for key, w in sorted(self.registry.load().items()):
+        try:
+            workloads = self.registry.load()
+        except SnapguardError as e:
+            self.journal("registry_refused", notice=notice.id, record=e.failure.to_dict())
+            self.log(f"the registry could not be read, nothing snapshotted: snapguard {e.reason.name}: "
+                     f"{e.failure.message}")
+            return
+        for key, why in sorted(self.registry.refused.items()):
+            self.journal("registry_entry_refused", notice=notice.id, key=key, why=why)
+            self.log(f"registry entry {key} skipped: {why}")
+        targets = []
+        for key, w in sorted(workloads.items()):
             if w.get("state") != "protected":
                 continue
             if not alive(self.config, w):
@@ -199,10 +218,19 @@ class Agent:
                 self.registry.update(key, state="gone")
                 self.log(f"{key} (job {w.get('job')}) no longer runs: not snapshotted")
                 continue
-            image = self._snapshot(key, w, notice)
+            targets.append(target_for(self, key, w, notice.deadline, self._runner(key, w, notice)))
+        if targets:
+            schedule(targets, notice=notice.id, journal=self.journal, log=self.log,
+                     rate_bps=measured_rate(self.read_journal()), workers=self.workers)
+
+    def _runner(self, key: str, w: dict[str, Any], notice: Notice) -> Callable[[float | None], Failure | None]:
+        def run(left: float | None) -> Failure | None:
+            image, failure = self._snapshot(key, w, notice)
             if image and self.store_url and not self.registry.load().get(key, {}).get("uploaded"):
                 # not streamed, or the stream failed: pushed whole
                 self.uploads.upload(key, {**w, "image": image, "notice": notice.id})
+            return failure
+        return run
 
     def _consume_inbox(self, notice: Notice) -> None:
         path = (notice.raw or {}).get("path") if notice.source == "local" and isinstance(notice.raw, dict) else None
@@ -212,7 +240,7 @@ class Agent:
             except FileNotFoundError:
                 pass
 
-    def _snapshot(self, key: str, w: dict[str, Any], notice: Notice) -> str | None:
+    def _snapshot(self, key: str, w: dict[str, Any], notice: Notice) -> tuple[str | None, Failure | None]:
         from .. import pipeline
 
         digest = hashlib.sha256(notice.id.encode()).hexdigest()[:12]
@@ -221,7 +249,7 @@ class Agent:
         if os.path.lexists(image):
             if marked(image):
                 self.registry.update(key, state="snapshotted", image=image, uploaded=False)
-                return image
+                return image, None
             self.discard(image, "an unmarked image of an earlier attempt")
         self.journal("snapshot_started", key=key, image=image, notice=notice.id, job=w["job"])
         self.log(f"snapshotting {key} (job {w['job']}) into {image}, stopping it")
@@ -246,7 +274,7 @@ class Agent:
             self.log(f"{key} not snapshotted ({'still running' if intact else 'gone'}): {failure.message}")
             if not intact:
                 self.registry.update(key, state="lost", reason=failure.reason.name)
-            return None
+            return None, failure
         took = time.monotonic() - start
         self.journal("snapshot_sealed", key=key, image=image, notice=notice.id, seconds=round(took, 3),
                      image_bytes=result.get("image_bytes"), timings=result.get("timings"),
@@ -257,7 +285,7 @@ class Agent:
                  + (f", host checks of {age:.0f} s ago reused)" if age is not None else ")"))
         if stream is not None:
             self.uploads.finish_stream(key, w, image, stream, start, notice.id)
-        return image
+        return image, None
 
     # -- polling ---------------------------------------------------------------------------------
     def _note_source(self, name: str, error: str | None) -> None:
@@ -265,6 +293,12 @@ class Agent:
             self._source_state[name] = error
             self.log(error if error else f"source {name} answers")
             self.journal("source", source=name, error=error)
+
+    def _note_refused(self, src: Source) -> None:
+        """Journal (and log) what a source refused and went past: a bad inbox entry, a bad event."""
+        for r in getattr(src, "take", lambda: [])():
+            self.journal("notice_refused", source=src.name, **r)
+            self.log(f"source {src.name} refused {r['where']}: snapguard {r['reason']}: {r['detail']}")
 
     def poll_once(self) -> list[Notice]:
         """Each source once (each bounded by the interval): the notices read. Errors are logged."""
@@ -275,6 +309,8 @@ class Agent:
             except Exception as e:
                 self._note_source(src.name, failure_from(e).message)
                 continue
+            finally:
+                self._note_refused(src)
             self._note_source(src.name, None)
             if n is not None:
                 notices.append(n)
@@ -285,12 +321,14 @@ class Agent:
         while not self._stop.is_set():
             start = time.monotonic()
             try:
-                n = src.poll(start + max(self.interval_s, 1.0))
+                # a watch (window_s) holds its connection a round of its own; a poll is bounded by the interval
+                n = src.poll(start + max(getattr(src, "window_s", None) or self.interval_s, 1.0))
             except Exception as e:
                 self._note_source(src.name, failure_from(e).message)
                 n = None
             else:
                 self._note_source(src.name, None)
+            self._note_refused(src)
             if n is not None and (n.id != last_id or src.name == "local"):  # the inbox file goes once handled
                 last_id = n.id
                 self._queue.put(n)
@@ -301,6 +339,7 @@ class Agent:
         self.journal("agent_started", pid=os.getpid(), sources=[s.name for s in self.sources], store=self.store_url)
         self.log(f"started (pid {os.getpid()}), sources {', '.join(s.name for s in self.sources) or 'none'}, "
                  f"store {self.store_url or 'none: images stay in ' + self.images}")
+        self.uploads.probe(self.metrics_path or os.path.join(self.dir, "snapguard-agent.prom"))
         self.recover()
         self.sync_containers()
         if once:

@@ -113,9 +113,16 @@ def recover(agent: Agent) -> None:
             agent.discard(path, "no completion marker")
     # notices whose handling did not finish: act again (workloads already snapshotted are skipped)
     for nid, rec in agent.notices().items():
-        if rec.get("status") != "done":
-            agent.log(f"notice {nid} was not finished before the restart: acting on it again")
-            agent.requeue(Notice.from_dict(rec["notice"]))
+        if not isinstance(rec, dict) or rec.get("status") == "done":
+            continue
+        try:
+            notice = Notice.from_dict(rec["notice"])
+        except (KeyError, TypeError, ValueError, AttributeError):  # a record of the wrong shape: said, skipped
+            agent.journal("notice_refused", source="notices.json", reason=Reason.AGENT_STATE_INVALID.name,
+                          where=str(nid)[:128], detail="a notice record that is not the shape snapguard writes")
+            continue
+        agent.log(f"notice {nid} was not finished before the restart: acting on it again")
+        agent.requeue(notice)
     if agent.store_url:
         for key, w in agent.registry.load().items():
             if w.get("state") == "snapshotted" and not w.get("uploaded") and w.get("image") and marked(w["image"]):

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,8 @@ from ..names import MARKER_NAME
 from ..reasons import Reason, SnapguardError
 from ._sources import Local
 
-__all__ = ["IMAGES", "INBOX", "JOURNAL", "NOTICES", "REGISTRY", "Registry", "agent_dir", "append_journal",
+__all__ = ["ENTRY", "IMAGES", "INBOX", "JOURNAL", "NOTICES", "REGISTRY", "Registry", "agent_dir", "append_journal",
+           "check_job",
            "local_source", "marked", "post_notice", "read_journal", "read_private_json", "safe_name"]
 
 JOURNAL = "journal.jsonl"
@@ -33,11 +35,53 @@ def agent_dir(config: Config) -> str:
     return files.ensure_private_dir(os.path.join(config.state_dir, "agent"))
 
 
-def read_private_json(path: str, default: Any) -> Any:
-    """The JSON document at `path` (`default` when there is none); refused, typed, when the file
-    is not this user's alone or not JSON."""
+MAX_STATE_BYTES = 4 << 20  # the registry and the notices file: far more than a node's workloads need
+
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"}
+_PATHISH = {"type": ["string", "null"], "maxLength": 4096}
+_DOCUMENT: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "the agent's registry or notices file",
+    "type": "object",
+}
+ENTRY: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "a registry entry",
+    "type": "object",
+    "required": ["kind", "job", "state"],
+    "properties": {
+        "kind": {"enum": ["pid", "container", "pod"]},
+        "job": _NAME,
+        "state": {"type": "string", "maxLength": 64},
+        "pid": {"type": "integer", "minimum": 1},
+        "start_time": {"type": ["integer", "null"], "minimum": 0},
+        "container": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._+-]{0,1023}$"},
+        "root": _PATHISH, "file_checkpoint": _PATHISH, "image": _PATHISH,
+        "epoch": {"type": ["integer", "null"], "minimum": 0},
+        "gpu_bytes": {"type": "integer", "minimum": 0},
+    },
+    "allOf": [{"if": {"properties": {"kind": {"const": "pid"}}},
+               "then": {"required": ["pid", "start_time"]}, "else": {"required": ["container"]}}],
+    "maxProperties": 64,
+}
+
+
+def _checked(data: bytes, schema: dict[str, Any], what: str, path: str) -> Any:
+    """`data` parsed with bounds (size, depth, no NaN) and checked against `schema`, the store's
+    record parser (snapguard.store._json) retyped as AGENT_STATE_INVALID."""
+    from ..store import load_record
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return load_record(data, schema, what, cap=MAX_STATE_BYTES, evidence={"path": path})
+    except SnapguardError as e:
+        raise SnapguardError(Reason.AGENT_STATE_INVALID, e.failure.message, evidence={"path": path}) from None
+
+
+def read_private_json(path: str, default: Any) -> Any:
+    """The JSON object at `path` (`default` when there is none); refused, typed, when the file is
+    not this user's alone (UNTRUSTED_PATH) or not a bounded JSON object (AGENT_STATE_INVALID)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return default
     with os.fdopen(fd, "rb") as f:
@@ -45,10 +89,20 @@ def read_private_json(path: str, default: Any) -> Any:
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise SnapguardError(Reason.UNTRUSTED_PATH, f"{path} is not private to this user: refusing to read it",
                                  evidence={"path": path})
-        try:
-            return json.loads(f.read())
-        except ValueError as e:
-            raise SnapguardError(Reason.CONFIG_INVALID, f"{path} is not JSON ({e})", evidence={"path": path}) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapguardError(Reason.AGENT_STATE_INVALID, f"{path} is not a regular file", evidence={"path": path})
+        return _checked(f.read(MAX_STATE_BYTES + 1), _DOCUMENT, path, path)
+
+
+def check_job(job: str) -> str:
+    """`job` when the image store accepts it as a job's name (snapguard.store's own check), else
+    USAGE_ERROR: refused when it is given, not after the workload was stopped."""
+    from ..store import check_name
+
+    try:
+        return check_name("job", job)
+    except SnapguardError as e:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--job: {e.failure.message}") from None
 
 
 def safe_name(text: str, n: int = 48) -> str:
@@ -61,27 +115,52 @@ def marked(image: str) -> bool:
 
 
 class Registry:
-    """The protected workloads: {key: entry}; keys `pid:P` and `container:ID`."""
+    """The protected workloads: {key: entry}; keys `pid:P`, `container:ID`, `pod:ID`. Each entry
+    is checked against `ENTRY` on every read: a bad one is left out of `load()` (and kept, as it
+    is, by a write), listed in `refused` with its typed line; the others act as if it were not
+    there."""
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, REGISTRY)
+        self.refused: dict[str, str] = {}
+
+    def _read(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        doc = read_private_json(self.path, {"workloads": {}})
+        workloads = doc.get("workloads", {})
+        if not isinstance(workloads, dict):
+            raise SnapguardError(Reason.AGENT_STATE_INVALID, f"{self.path}: field workloads is not an object",
+                                 evidence={"path": self.path})
+        good, bad, refused = {}, {}, {}
+        for key, entry in workloads.items():
+            try:
+                if not isinstance(key, str) or len(key) > 300:
+                    raise SnapguardError(Reason.AGENT_STATE_INVALID, f"{self.path}: a key of {len(key)} characters")
+                _checked(json.dumps(entry).encode(), ENTRY, f"{self.path} entry {key[:80]}", self.path)
+            except SnapguardError as e:
+                bad[key] = entry
+                refused[key] = f"snapguard {e.reason.name}: {e.failure.message}"
+                continue
+            good[key] = entry
+        self.refused = refused
+        return good, bad
 
     def load(self) -> dict[str, dict[str, Any]]:
-        doc = read_private_json(self.path, {"workloads": {}})
-        return dict(doc.get("workloads") or {})
+        return self._read()[0]
 
     def save(self, workloads: dict[str, dict[str, Any]]) -> None:
         files.write_private_json(self.path, {"workloads": workloads})
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, dict[str, Any]]]:
-        """Read-modify-write under a flock: `snapguard protect` and the agent edit it concurrently."""
+        """Read-modify-write under a flock: `snapguard protect` and the agent edit it concurrently.
+        A registry that cannot be read as a whole is refused (AGENT_STATE_INVALID), never written
+        over; entries refused one by one are written back as they were."""
         fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            w = self.load()
+            w, bad = self._read()
             yield w
-            self.save(w)
+            self.save({**bad, **w})
         finally:
             os.close(fd)
 
@@ -105,9 +184,9 @@ class Registry:
         return self._add(f"container:{cid}", entry)
 
     def _add(self, key: str, entry: dict[str, Any]) -> dict[str, Any]:
-        if not entry["job"] or "/" in entry["job"] or entry["job"].startswith("."):
-            raise SnapguardError(Reason.USAGE_ERROR,
-                                 f"--job {entry['job']!r}: a name without '/', not starting with '.'")
+        check_job(entry["job"])
+        if entry.get("epoch") is not None and (isinstance(entry["epoch"], bool) or entry["epoch"] < 0):
+            raise SnapguardError(Reason.USAGE_ERROR, f"--epoch {entry['epoch']}: an epoch is an integer >= 0")
         with self.locked() as w:
             w[key] = {**entry, "key": key}
             return w[key]

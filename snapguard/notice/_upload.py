@@ -5,12 +5,13 @@ an upload a killed agent began swept from the store."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..reasons import Failure, Reason, SnapguardError, failure_from
-from ._state import Registry, marked
+from ._state import Registry, marked, safe_name
 
 __all__ = ["ImageStore", "Uploads"]
 
@@ -40,6 +41,17 @@ def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, p
     return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
 
 
+def _write_gauge(path: str, writable: bool) -> None:
+    try:
+        from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+    except ImportError:
+        return
+    reg = CollectorRegistry()
+    Gauge("snapguard_agent_store_writable", "1 when the agent's image store took a probe write at start",
+          registry=reg).set(1 if writable else 0)
+    write_to_textfile(path, reg)
+
+
 class Uploads:
     """The agent's uploads to the store at `store_url`: each step journalled and logged, the
     registry told when an image is in the store, and, with `keep`, the job's older images beyond
@@ -53,6 +65,34 @@ class Uploads:
         self.log = log
         self.registry = registry
         self.discard = discard
+
+    def probe(self, metrics_path: str | None = None) -> bool:
+        """At start: can the agent write to its store? A probe object put and deleted. A store that
+        refuses or does not answer is a loud warning in the log, a `store_check` journal line and
+        the gauge snapguard_agent_store_writable 0 (a Prometheus textfile at `metrics_path`), not a
+        surprise on the notice."""
+        if not self.store_url:
+            return True
+        key = f"snapguard-probe/agent-{safe_name(socket.gethostname())}-{os.getpid()}"
+        try:
+            from .. import store as store_mod
+
+            st = store_mod.open_store(self.store_url)
+            st._put(key, b"snapguard agent write probe\n")
+            st._delete(key)
+            ok, failure = True, None
+        except Exception as e:
+            ok, f = False, failure_from(e)
+            failure = Failure(Reason.STORE_NOT_WRITABLE, f"{self.store_url}: {f.message}",
+                              evidence={"store": self.store_url, "cause": f.reason.name})
+        self.journal("store_check", store=self.store_url, writable=ok,
+                     record=failure.to_dict() if failure else None)
+        if failure is not None:
+            self.log(f"WARNING: snapguard {failure.reason.name}: {failure.message}; a notice now would leave "
+                     "its images on this node")
+        if metrics_path:
+            _write_gauge(metrics_path, ok)
+        return ok
 
     def sweep(self, image: str, job: str | None, ev: dict[str, Any]) -> None:
         """An upload the previous agent began and never ended: what it sent is removed from the

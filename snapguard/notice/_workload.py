@@ -30,6 +30,8 @@ def alive(config: Config, entry: dict[str, Any]) -> bool:
                 "running", "paused")
         except SnapguardError:
             return False
+    if entry.get("kind") == "pod":
+        return True  # the CRI path: containerd answers for it when CheckpointContainer is called
     return False
 
 
