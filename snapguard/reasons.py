@@ -199,6 +199,27 @@ class Reason(enum.Enum):
                                        "snapshots it again); else resume the job from its file checkpoint")
     AGENT_UPLOAD_FAILED = _Meta("a sealed image could not be put into the image store", C, True,
                                 "check the store URL and credentials; the sealed image stays in the agent's state dir")
+    NOTICE_TOO_SHORT = _Meta("the notice's lead left too little time for the workload's snapshot (its estimate from "
+                             "its size and the last measured rate), so it was not started", C, True,
+                             "resume the job from the file checkpoint the journal names; a longer lead, fewer or "
+                             "smaller workloads per node, or a faster images disk lets more fit")
+    AGENT_STATE_INVALID = _Meta("the agent's registry or notices file (or one entry in it) is too large, too deep or "
+                                "not the shape snapguard writes", U, True,
+                                "the entry is skipped and the others still act; `snapguard protect` the workload "
+                                "again, or move the corrupt file aside")
+    STORE_NOT_WRITABLE = _Meta("the image store given to the agent could not be written at start (a probe object "
+                               "was refused or the store did not answer)", R, True,
+                               "fix the store URL, network or credentials before a notice comes; until then "
+                               "snapshots stay on the node")
+
+    # the mutating admission webhook (`snapguard webhook`)
+    ADMISSION_REVIEW_INVALID = _Meta("a request to the webhook is not an admission.k8s.io/v1 AdmissionReview as the "
+                                     "API server sends it (not JSON, too large, too deep, or fields of the wrong "
+                                     "shape)", U, True, "point the MutatingWebhookConfiguration at /mutate with "
+                                     "admissionReviewVersions [v1]; the pod is admitted unchanged (failurePolicy Ignore)")
+    WEBHOOK_TLS_UNUSABLE = _Meta("the webhook's TLS certificate or key is missing, unreadable or not a matching "
+                                 "PEM pair", U, True, "mount the Secret's tls.crt and tls.key and pass them with "
+                                 "--tls-cert and --tls-key")
 
     # the image store and reclaim recovery (snapguard.store)
     STORE_UNREACHABLE = _Meta("the image store could not be reached or refused the request", R, True,
@@ -207,10 +228,42 @@ class Reason(enum.Enum):
                            "raise the deadline or fix the store's throughput; fall back to a file checkpoint")
     UPLOAD_INCOMPLETE = _Meta("the image in the store has no completion marker (upload interrupted or failed)", R, True,
                               "restore a whole image (one with its marker) or push the image again")
+    STORE_RECORD_INVALID = _Meta("a record read from the image store (an image's store record or marker, a file "
+                                 "checkpoint's record) is too large, too deep or not the shape snapguard writes",
+                                 R, True, "the record is skipped and older good ones are used; delete it from the "
+                                 "store or push the image again")
+    STORE_WRITE_UNCONFIRMED = _Meta("the image store answered a write without confirming it (an ETag or checksum "
+                                    "that is not the content's, or the object absent or short afterwards)", C, True,
+                                    "check that the store URL reaches a real S3 service (not a proxy or captive "
+                                    "page); the image was not marked whole in the store")
     FENCED = _Meta("a newer restore of the job holds a later epoch: this node's snapshot or restore is stale", R, True,
                    "stop this copy of the job; the node holding the newest epoch owns it now")
+    ALREADY_RESTORED = _Meta("the image was pushed under an older epoch than the job's current one: the job was "
+                             "restored since and a copy of it may be running", R, True,
+                             "restore the job's newest image, or, once the running copy is known to be gone, "
+                             "restore --force")
     FALLBACK_TO_FILE_CHECKPOINT = _Meta("the snapshot was refused, so the job starts from its newest file checkpoint",
                                         R, True, "start the job from the file checkpoint printed; the refusal says why")
+
+    # the kubelet's path: CRI CheckpointContainer, OCI checkpoint images in a registry (snapguard.ocicheckpoint)
+    CRI_UNAVAILABLE = _Meta("the node's CRI socket could not be reached, or its CheckpointContainer or "
+                            "StopContainer call failed or ran past its deadline", C, True,
+                            "check --cri-socket (containerd's CRI plugin) and the message containerd gave; the "
+                            "job falls back to its file checkpoint")
+    CRI_CLIENT_MISSING = _Meta("the CRI client (grpcio) is not installed", U, True,
+                               "pip install 'snapguard[k8s]'")
+    CHECKPOINT_ARCHIVE_INVALID = _Meta("a CRI checkpoint archive is not the layout containerd writes (config.dump, "
+                                       "spec.dump, checkpoint/; regular files and directories only)", C, True,
+                                       "take the checkpoint again through CRI CheckpointContainer")
+    REGISTRY_UNREACHABLE = _Meta("the OCI registry could not be reached or refused a request of the push", C, True,
+                                 "check the registry URL and that this node may push to the repository; the job "
+                                 "falls back to its file checkpoint")
+    REGISTRY_TOO_SLOW = _Meta("the push to the OCI registry did not finish within its deadline", C, True,
+                              "raise the deadline or fix the registry's throughput; the job falls back to its file "
+                              "checkpoint")
+    REGISTRY_DIGEST_MISMATCH = _Meta("the registry answered a push with a digest other than that of the bytes "
+                                     "pushed", C, True, "check that the URL reaches a real OCI registry (not a proxy "
+                                     "that rewrites content); the image was not recorded in the store")
 
     @property
     def meaning(self) -> str:

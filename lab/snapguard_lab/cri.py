@@ -67,9 +67,9 @@ MT_CONFIG = "application/vnd.oci.image.config.v1+json"
 _api: tuple[ModuleType, ModuleType] | None = None
 
 
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 
@@ -272,29 +272,31 @@ def _write_layout(out: str, name: str, manifest: bytes, blobs: list[bytes]) -> N
 # ---------------------------------------------------------------- the registry
 
 class Registry:
-    """Debian's docker-registry (distribution 2.8.2) on 127.0.0.1:<free port>, storage under workdir."""
+    """Debian's docker-registry (distribution 2.8.2) on 127.0.0.1:<free port>, storage under workdir;
+    on `address` instead where given (a bridge address network namespaces reach: netns.HOST_ADDRESS)."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, address: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)
+        self.address = address
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def host(self) -> str:
-        return f"localhost:{self.port}"
+        return f"localhost:{self.port}" if self.address == "127.0.0.1" else f"{self.address}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> None:
         if not os.access(REGISTRY_BIN, os.X_OK):
             raise RuntimeError(f"{REGISTRY_BIN} is missing: apt-get install docker-registry "
                                "(packaging/install-deps.sh's RUNTIME_PKGS)")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = _free_port(self.address)
         config = self.workdir / "config.yml"
         config.write_text(
             "version: 0.1\n"
             "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.workdir}/data\n  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n"
+            f"http:\n  addr: {self.address}:{self.port}\n"
         )
         log = open(self.workdir / "registry.log", "ab")
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=log,
@@ -305,18 +307,18 @@ class Registry:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"docker-registry exited {self.proc.returncode}; see {self.workdir}/registry.log")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/", timeout=2) as r:
+                with urllib.request.urlopen(f"http://{self.address}:{self.port}/v2/", timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.05)
-        raise TimeoutError(f"docker-registry did not answer on 127.0.0.1:{self.port}")
+        raise TimeoutError(f"docker-registry did not answer on {self.address}:{self.port}")
 
     def _request(self, method: str, url: str, data: bytes | None = None,
                  headers: dict[str, str] | None = None) -> Any:
         if not url.startswith("http"):
-            url = f"http://127.0.0.1:{self.port}{url}"
+            url = f"http://{self.address}:{self.port}{url}"
         req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
         return urllib.request.urlopen(req, timeout=30)
 

@@ -210,7 +210,8 @@ class Containerd:
     def __init__(self, workdir: str, env: dict[str, str] | None = None, stack: str = "debian12", *,
                  cri: bool = False, config: str | None = None, socket: str | None = None,
                  runtime_binary: str | None = None, registry_host: str | None = None,
-                 remove_pods: Callable[[str], None] | None = None) -> None:
+                 remove_pods: Callable[[str], None] | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
         self.workdir = Path(workdir)
         self.stack = STACKS[stack]
         self.cri = cri
@@ -219,6 +220,7 @@ class Containerd:
         self.runtime_binary = runtime_binary
         self.registry_host = registry_host
         self.remove_pods = remove_pods
+        self.preexec = preexec  # run in containerd's child before exec (netns.Nodes.enter: a node's network)
         stack_env: dict[str, str] = {"PATH": SYSTEM_PATH} if cri else {}
         if self.stack.bin_dir:
             stack_env = {"PATH": f"{self.stack.bin_dir}:{SYSTEM_PATH}", "SNAPGUARD_RUNC": self.stack.runc}
@@ -295,7 +297,7 @@ class Containerd:
         log = open(self.workdir / "containerd.log", "ab")
         self.proc = subprocess.Popen([self.stack.containerd, "--config", str(config)], stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-                                     umask=CONTAINERD_UMASK if self.cri else -1)
+                                     umask=CONTAINERD_UMASK if self.cri else -1, preexec_fn=self.preexec)
         log.close()
         deadline = time.monotonic() + (timeout or (30.0 if self.cri else 20.0))
         while time.monotonic() < deadline:

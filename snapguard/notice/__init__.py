@@ -2,9 +2,11 @@
 
 Sources (`_sources`) read one capacity owner's notice each, in the format it documents: AWS spot
 `instance-action` (IMDSv2), GCE `preempted` and `maintenance-event`, Azure Scheduled Events
-`Preempt`, a Kubernetes pod's `DisruptionTarget` or its node being drained, and the local inbox
-`snapguard notice` writes. The agent (`_agent`; its state on disk in `_state`, restart in `_recover`,
-uploads in `_upload`, warm host checks in `_warm`) takes one stopping snapshot through
+`Preempt`, a Kubernetes watch of the node (reclaim taints, a shutdown) and of its opted-in pods
+(`DisruptionTarget`), and the local inbox `snapguard notice` writes; each exchange with a peer
+has one deadline, and what a peer sends is parsed with bounds and checked against a schema. The
+agent (`_agent`; its state on disk in `_state`, restart in `_recover`, uploads in `_upload`, warm
+host checks in `_warm`) takes one stopping snapshot through
 snapguard.pipeline of each workload registered with `snapguard protect`, once per notice, into a
 private local directory and, with a store URL, into the image store (snapguard.store, optional).
 """
@@ -12,6 +14,7 @@ private local directory and, with a store URL, into the image store (snapguard.s
 from __future__ import annotations
 
 from ._agent import Agent as Agent
+from ._state import check_job as check_job
 from ._containerd import DEFAULT_ADDRESS as DEFAULT_ADDRESS
 from ._containerd import DEFAULT_CTR as DEFAULT_CTR
 from ._containerd import DEFAULT_RUNC_ROOT as DEFAULT_RUNC_ROOT
@@ -26,7 +29,11 @@ from ._sources import SOURCE_NAMES as SOURCE_NAMES
 from ._sources import AwsSpot as AwsSpot
 from ._sources import Azure as Azure
 from ._sources import Gce as Gce
-from ._sources import Kubernetes as Kubernetes
+from ._sources import SOURCE_ALIASES as SOURCE_ALIASES
+from ._sources import KubeNode as KubeNode
+from ._sources import KubePods as KubePods
+from ._sources import default_url as k8s_default_url
+from ._sources import kubernetes_sources as kubernetes_sources
 from ._sources import Local as Local
 from ._sources import Notice as Notice
 from ._sources import Source as Source
@@ -39,7 +46,7 @@ from ._upload import ImageStore as ImageStore
 
 __all__ = [
     "AWS_URL", "AZURE_URL", "DEFAULT_ADDRESS", "DEFAULT_CTR", "DEFAULT_RUNC_ROOT", "GCE_URL", "K8S_CA",
-    "K8S_TOKEN", "K8S_URL", "SOURCE_NAMES", "Agent", "ContainerdWatch", "AwsSpot", "Azure", "Gce", "ImageStore",
-    "Kubernetes", "Local", "Notice", "Registry", "Source", "agent_dir", "local_source", "post_notice",
-    "read_journal",
+    "K8S_TOKEN", "K8S_URL", "SOURCE_ALIASES", "SOURCE_NAMES", "Agent", "ContainerdWatch", "AwsSpot", "Azure", "Gce",
+    "ImageStore", "KubeNode", "KubePods", "Local", "Notice", "Registry", "Source", "agent_dir", "check_job", "k8s_default_url",
+    "kubernetes_sources", "local_source", "post_notice", "read_journal",
 ]

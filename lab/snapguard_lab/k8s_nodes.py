@@ -1,0 +1,170 @@
+"""Two Kubernetes "nodes" on one machine for the kubelet's path end to end: one registry (Debian's
+docker-registry) and two containerd 2.1.9 with CRI (testbed.Containerd), each with its own root,
+state, sockets, runc root, snapguard state directory and network namespace (snapguard_lab.netns:
+a veth into a bridge of the test's namespace), both with the runtime handler `snapguard`
+(snapguard-runc). No kubelet: snapguard_lab.cri.Cri makes its calls on each node's socket.
+
+The pods are host-network (no CNI): a pod's network is its node's namespace, as on a real node.
+The registry listens on the bridge's address (netns.HOST_ADDRESS); in each node a relay
+(snapguard_lab.relay) makes it `localhost:<port>` (`TwoNodes.host`), the name every image
+reference carries: containerd's CRI restore pulls the checkpoint's base image (config.dump's
+rootfsImageRef) with its default resolver, which speaks plain HTTP to localhost alone. Each node
+pulls the counter image from the registry as the kubelet would and imports the sandbox image
+built from the same layer. `in_node` runs a function with a node's network (the agent's push).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .cri import _PAUSE_CMD, COMPAT_BIN, COUNTER_REPO, Cri, Registry, _image_blobs, _read_layout, _write_layout, \
+    remove_all_pods
+from .netns import Nodes
+from .testbed import PAUSE_IMAGE, Containerd, build_counter_image
+
+__all__ = ["Node", "TwoNodes"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Node:
+    name: str  # also its network namespace's (TwoNodes.net.ns(name))
+    containerd: Containerd
+    cri: Cri
+    state_dir: Path  # SNAPGUARD_STATE_DIR of this node's snapguard-runc
+
+
+class TwoNodes:
+    """Registry + node "a" and node "b"; `config_file` is SNAPGUARD_CONFIG on both."""
+
+    def __init__(self, workdir: str, config_file: str) -> None:
+        self.workdir = Path(workdir)
+        self.config_file = config_file
+        self.net = _Net(["a", "b"])
+        self.registry = Registry(str(self.workdir / "registry"), self.net.host_address)
+        self.nodes: dict[str, Node] = {}
+        self.counter_image = ""
+        self.counter_digest = ""
+        self.host = ""  # localhost:<port>: the registry as every node names it
+        self.relays: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> TwoNodes:
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.net.__enter__()
+        images = self.workdir / "images"
+        images.mkdir(mode=0o700, exist_ok=True)
+        counter_tar = str(images / "counter.tar")
+        build_counter_image(counter_tar)
+        manifest, blobs = _read_layout(counter_tar)
+        layer = blobs[json.loads(manifest)["layers"][0]["digest"]]
+        pause_config, pause_manifest = _image_blobs(layer, _PAUSE_CMD)
+        pause_tar = str(images / "pause.tar")
+        _write_layout(pause_tar, PAUSE_IMAGE, pause_manifest, [pause_config, layer])
+        self.registry.start()
+        self.counter_digest = self.registry.push(COUNTER_REPO, "1", manifest, blobs)
+        self.host = f"localhost:{self.registry.port}"
+        self.counter_image = f"{self.host}/{COUNTER_REPO}:1"
+        for name in ("a", "b"):
+            relay = subprocess.Popen([sys.executable, "-m", "snapguard_lab.relay", str(self.registry.port),
+                                      self.net.host_address, str(self.registry.port)], stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, preexec_fn=self.net.enter(name))
+            self.relays.append(relay)
+            assert relay.stdout is not None
+            if relay.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"the registry relay in node {name} did not start")
+            state = self.workdir / f"node-{name}" / "snapguard-state"
+            state.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ctrd = Containerd(str(self.workdir / f"node-{name}" / "containerd"), {
+                "SNAPGUARD_RUNC": f"{COMPAT_BIN}/runc",
+                "SNAPGUARD_CONFIG": self.config_file,
+                "SNAPGUARD_STATE_DIR": str(state),
+            }, stack="compat", cri=True, registry_host=self.host, remove_pods=remove_all_pods,
+                preexec=self.net.enter(name))
+            ctrd.start()
+            self.nodes[name] = Node(name, ctrd, Cri(ctrd.socket), state)
+            ctrd.import_image(pause_tar)
+        return self
+
+    def __getitem__(self, name: str) -> Node:
+        return self.nodes[name]
+
+    def in_node(self, name: str, fn: Callable[[], T]) -> T:
+        """fn() in a thread that joined node `name`'s network namespace (the agent on that node)."""
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                self.net.enter(name)()
+                out["value"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                out["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        try:
+            for relay in self.relays:
+                relay.kill()
+                relay.wait()
+            self.relays = []
+            for node in self.nodes.values():
+                node.cri.close()
+                node.containerd.stop()
+            self.nodes = {}
+            self.registry.stop()
+        finally:
+            self.net.__exit__()
+
+
+def _free_subnet() -> str:
+    """A 169.254.X (X in 100..199) /24 no address of this namespace is in: the lab's netns.Nodes
+    takes 169.254.77, and runs of other tests at the same time take theirs."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        used = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(family=socket.AF_INET)}
+    taken = {".".join(str(u).split(".")[:3]) for u in used if u}
+    free = [f"169.254.{x}" for x in range(100, 200) if f"169.254.{x}" not in taken]
+    if not free:
+        raise RuntimeError("no free 169.254.X/24 for the nodes' bridge")
+    return secrets.choice(free)
+
+
+class _Net(Nodes):
+    """netns.Nodes on a link-local /24 of its own (`host_address` the bridge's)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.subnet = _free_subnet()
+        self.host_address = f"{self.subnet}.1"
+
+    def __enter__(self) -> _Net:
+        from . import netns
+
+        # netns.Nodes reads its subnet from the module; its setup runs with this one's, under a lock
+        with _SUBNET_LOCK:
+            saved = netns.SUBNET, netns.HOST_ADDRESS
+            netns.SUBNET, netns.HOST_ADDRESS = self.subnet, self.host_address
+            try:
+                super().__enter__()
+            finally:
+                netns.SUBNET, netns.HOST_ADDRESS = saved
+        return self
+
+
+_SUBNET_LOCK = threading.Lock()

@@ -1,0 +1,185 @@
+"""Pushing a CheckpointImage to a registry over the OCI distribution API, under one deadline.
+
+    POST /v2/<repo>/blobs/uploads/            -> 202, Location
+    PUT  <Location>?digest=<d>  (the bytes)   -> 201, Docker-Content-Digest must be d
+    ... the layer (skipped when HEAD finds it), then the config
+    PUT  /v2/<repo>/manifests/<tag>           -> 201, Docker-Content-Digest must be the manifest's
+    HEAD /v2/<repo>/manifests/<digest>        -> 200: the registry serves it by digest
+
+The whole exchange ends within `deadline_s`: a watchdog shuts the connection's socket down at the
+deadline, so a registry that stops answering mid-body cannot hold the push (REGISTRY_TOO_SLOW). A
+registry answering another digest than the bytes pushed is REGISTRY_DIGEST_MISMATCH; any other
+refusal or a connection error is REGISTRY_UNREACHABLE. Plain http:// is used only when the URL says
+so (a registry on the node's loopback or a trusted network); https:// verifies the server's
+certificate with the system's CAs. No credentials are sent (a registry that needs them answers
+401: REGISTRY_UNREACHABLE naming it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit
+
+from ..reasons import Reason, SnapguardError
+from ._image import MT_MANIFEST, CheckpointImage
+
+__all__ = ["Pushed", "push_image"]
+
+_CHUNK = 1 << 20
+_REPO = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_MAX_ANSWER = 64 << 10
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """An image in the registry: `reference` is HOST/REPO@DIGEST, what a pod spec names."""
+
+    registry: str  # HOST[:PORT]
+    repository: str
+    tag: str
+    digest: str
+    size: int  # layer + config + manifest bytes
+
+    @property
+    def reference(self) -> str:
+        return f"{self.registry}/{self.repository}@{self.digest}"
+
+
+class _Exchange:
+    """One connection to the registry, shut down by a watchdog at the deadline."""
+
+    def __init__(self, url: str, deadline_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise SnapguardError(Reason.USAGE_ERROR, f"registry URL {url}: give http(s)://HOST[:PORT] only")
+        self.url, self.host = url, parts.netloc
+        self.deadline = time.monotonic() + deadline_s
+        self.deadline_s = deadline_s
+        self.expired = False
+        if parts.scheme == "https":
+            self.conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                parts.hostname, parts.port, timeout=deadline_s, context=ssl.create_default_context())
+        else:
+            self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=deadline_s)
+        self.timer = threading.Timer(deadline_s, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _expire(self) -> None:
+        self.expired = True
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.conn.close()
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0 or self.expired:
+            raise self._too_slow()
+        return left
+
+    def _too_slow(self) -> SnapguardError:
+        return SnapguardError(Reason.REGISTRY_TOO_SLOW, f"push to {self.url} did not finish within "
+                              f"{self.deadline_s:.0f} s", evidence={"registry": self.url})
+
+    def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None,
+                size: int = 0) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """(status, headers, at most 64 KiB of body); `body` a path str streams that file (`size` bytes)."""
+        try:
+            self.conn.timeout = self._left()
+            if self.conn.sock is not None:
+                self.conn.sock.settimeout(self.conn.timeout)
+            hdrs = dict(headers or {})
+            if isinstance(body, str):
+                hdrs["Content-Length"] = str(size)
+                self.conn.putrequest(method, path)
+                for k, v in hdrs.items():
+                    self.conn.putheader(k, v)
+                self.conn.endheaders()
+                with open(body, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        self._left()
+                        self.conn.send(chunk)
+            else:
+                self.conn.request(method, path, body=body, headers=hdrs)
+            answer = self.conn.getresponse()
+            data = answer.read(_MAX_ANSWER) if method != "HEAD" else b""
+            if not answer.isclosed():
+                answer.read()  # drain what is left of the body, so the connection can be reused
+            return answer.status, answer.headers, data
+        except SnapguardError:
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self.conn.close()
+            if self.expired or time.monotonic() >= self.deadline:
+                raise self._too_slow() from None
+            raise SnapguardError(Reason.REGISTRY_UNREACHABLE, f"{method} {self.url}{path[:200]}: {e}",
+                                 evidence={"registry": self.url}) from None
+
+    def refuse(self, what: str, status: int, data: bytes) -> SnapguardError:
+        text = " ".join(data[:300].decode("utf-8", "replace").split())
+        return SnapguardError(Reason.REGISTRY_UNREACHABLE, f"{what} at {self.url}: HTTP {status} {text}".rstrip(),
+                              evidence={"registry": self.url, "status": status})
+
+
+def _check_digest(ex: _Exchange, what: str, answered: str | None, want: str) -> None:
+    if answered is not None and answered != want:
+        raise SnapguardError(Reason.REGISTRY_DIGEST_MISMATCH, f"{what}: {ex.url} answered digest {answered[:80]}, "
+                             f"the bytes pushed are {want}", evidence={"registry": ex.url, "want": want})
+
+
+def _push_blob(ex: _Exchange, repo: str, digest: str, body: bytes | str, size: int) -> None:
+    status, _, _ = ex.request("HEAD", f"/v2/{repo}/blobs/{digest}")
+    if status == 200:
+        return
+    status, headers, data = ex.request("POST", f"/v2/{repo}/blobs/uploads/", b"", {"Content-Length": "0"})
+    location = headers.get("Location")
+    if status != 202 or not location:
+        raise ex.refuse(f"starting the upload of {digest}", status, data)
+    loc = urlsplit(location)
+    if loc.netloc and loc.netloc != ex.host:
+        raise ex.refuse(f"upload of {digest} sent to another host {loc.netloc[:80]}", status, b"")
+    path = (loc.path or "/") + "?" + (loc.query + "&" if loc.query else "") + "digest=" + quote(digest)
+    status, headers, data = ex.request("PUT", path, body, {"Content-Type": "application/octet-stream"}, size=size)
+    if status not in (201, 204):
+        raise ex.refuse(f"upload of {digest}", status, data)
+    _check_digest(ex, f"blob {digest}", headers.get("Docker-Content-Digest"), digest)
+
+
+def push_image(image: CheckpointImage, registry_url: str, repository: str, tag: str, *,
+               deadline_s: float) -> Pushed:
+    """Push `image` as REPOSITORY:TAG to the registry at `registry_url`, within `deadline_s`."""
+    if not _REPO.match(repository) or len(repository) > 255:
+        raise SnapguardError(Reason.USAGE_ERROR, f"repository {repository[:80]!r} is not an OCI repository name")
+    if not _TAG.match(tag):
+        raise SnapguardError(Reason.USAGE_ERROR, f"tag {tag[:80]!r} is not an OCI tag")
+    ex = _Exchange(registry_url, deadline_s)
+    try:
+        _push_blob(ex, repository, image.layer_digest, image.layer_path, image.layer_size)
+        _push_blob(ex, repository, image.config_digest, image.config, len(image.config))
+        status, headers, data = ex.request("PUT", f"/v2/{repository}/manifests/{tag}", image.manifest,
+                                           {"Content-Type": MT_MANIFEST})
+        if status not in (201, 204):
+            raise ex.refuse(f"manifest {repository}:{tag}", status, data)
+        _check_digest(ex, f"manifest {repository}:{tag}", headers.get("Docker-Content-Digest"), image.digest)
+        status, headers, data = ex.request("HEAD", f"/v2/{repository}/manifests/{image.digest}",
+                                           headers={"Accept": MT_MANIFEST})
+        if status != 200:
+            raise ex.refuse(f"manifest {repository}@{image.digest} after the push", status, data)
+        _check_digest(ex, f"manifest {repository}@{image.digest}", headers.get("Docker-Content-Digest"), image.digest)
+    finally:
+        ex.close()
+    return Pushed(ex.host, repository, tag, image.digest, image.layer_size + len(image.config) + len(image.manifest))
