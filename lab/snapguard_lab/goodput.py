@@ -432,7 +432,10 @@ class Run:
         pulled = self.dir / "pulled" / f"{image}-{time.monotonic_ns()}"
         pulled.parent.mkdir(mode=0o700, exist_ok=True)
         try:
-            res = restore_from(self.store_url, self.config, job=self.job, image=image, images=str(pulled))
+            # the drill has ended the job's previous copy itself (stopped on the notice, or killed as
+            # the machine went): it is provably gone, so an image already restored once (the newest
+            # after an unannounced loss with no file checkpoint) is restored again, forced
+            res = restore_from(self.store_url, self.config, job=self.job, image=image, images=str(pulled), force=True)
         finally:
             shutil.rmtree(pulled, ignore_errors=True)  # restored: the copy is not needed any more
         self.proc = Proc(int(res["pid"]), None, "restore")

@@ -77,8 +77,9 @@ class S3Store(Store):
                                      max_pool_connections=max(10, 2 * self.parallel),
                                      request_checksum_calculation="when_required",
                                      response_checksum_validation="when_required")
-        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None,
-                                   config=cfg)
+        # a session of its own: boto3's default one keeps the first credentials it resolved
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None, config=cfg)
         _exchange.track_connections(self.client)
         self._etags: dict[str, str] = {}  # key -> the ETag its confirmed put established
         self._etag_lock = threading.Lock()

@@ -165,7 +165,7 @@ def store_url(request, tmp_path: Path) -> str:
 
     gw = request.getfixturevalue("rgw")
     bucket = f"sg-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)
+    boto3.session.Session().client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)
     return f"s3://{bucket}/snaps"
 
 

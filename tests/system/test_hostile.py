@@ -459,11 +459,11 @@ def test_config_others_control_is_refused(where: str, marker_runc: tuple[Path, P
     assert "config file" in assert_typed(out, "UNTRUSTED_PATH", 2)
 
     out = sg_runc(log, "checkpoint", "--image-path", str(tmp_path / "ck"), "c1", env=env)
-    assert_typed(out, "UNTRUSTED_PATH", 1)
+    assert_typed(out, "UNTRUSTED_PATH", 2)
     assert runc_log_line(log)["msg"].startswith("snapguard UNTRUSTED_PATH: ")
 
     out = sg_runc(log, "state", "c1", env=env)  # the pass-through path reads the config too
-    assert_typed(out, "UNTRUSTED_PATH", 1)
+    assert_typed(out, "UNTRUSTED_PATH", 2)
     assert not ran.exists(), "root ran the runc a config root does not control named"
     assert not (tmp_path / "state").exists()
 
@@ -507,7 +507,7 @@ def test_relative_criu_flag_is_a_usage_error_and_runc_not_run(runc_recorder: tup
     log = tmp_path / "log.json"
     out = run([SNAPGUARD_RUNC, "--log", str(log), "--log-format", "json", "--criu", "criu", "checkpoint",
                "--image-path", str(tmp_path / "ck"), "c1"], env)
-    assert "--criu" in assert_typed(out, "USAGE_ERROR", 1)
+    assert "--criu" in assert_typed(out, "USAGE_ERROR", 2)
     assert recorded(record) == [], "runc ran"
     assert runc_log_line(log)["msg"].startswith("snapguard USAGE_ERROR: ")
 
@@ -747,7 +747,7 @@ def test_config_that_is_no_regular_file(kind: str, tmp_path: Path) -> None:
     reasons = ("CONFIG_INVALID", "UNTRUSTED_PATH") if kind == "dev-null" else ("CONFIG_INVALID",)
     assert_typed(sg("preflight", "--node", env=env, timeout=30), reasons, 2)
     log = tmp_path / "log.json"
-    assert_typed(sg_runc(log, "state", "x", env=env, timeout=30), reasons, 1)
+    assert_typed(sg_runc(log, "state", "x", env=env, timeout=30), reasons, 2)
     assert runc_log_line(log)["msg"].startswith(tuple(f"snapguard {r}: " for r in reasons))
 
 
@@ -776,11 +776,11 @@ def test_bad_config_is_one_typed_line(name: str, tmp_path: Path) -> None:
     assert_typed(sg("preflight", "--node", env=env), "CONFIG_INVALID", 2)
     log = tmp_path / "log.json"
     out = sg_runc(log, "state", "x", env=env)  # the pass-through path: every container operation
-    assert_typed(out, "CONFIG_INVALID", 1)
+    assert_typed(out, "CONFIG_INVALID", 2)
     assert runc_log_line(log)["msg"].startswith("snapguard CONFIG_INVALID: ")
     # without --log the line goes to stderr in runc's own format, still one line
     out = run([SNAPGUARD_RUNC, "state", "x"], env)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(out.stderr.splitlines()) == 1 and 'msg="snapguard CONFIG_INVALID: ' in out.stderr, out.stderr
     assert not (tmp_path / "state").exists()
 

@@ -91,7 +91,7 @@ def store_url(request, tmp_path: Path) -> str:
     import boto3
 
     bucket = f"sg-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)
+    boto3.session.Session().client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)
     return f"s3://{bucket}/snaps"
 
 
@@ -382,7 +382,7 @@ def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path
     from snapguard_lab.netns import HOST_ADDRESS
 
     bucket = f"sg-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=rgw.endpoint).create_bucket(Bucket=bucket)
+    boto3.session.Session().client("s3", endpoint_url=rgw.endpoint).create_bucket(Bucket=bucket)
     url = f"s3://{bucket}/snaps"
     over_veth = {"S3_ENDPOINT_URL": f"http://{HOST_ADDRESS}:{rgw.port}",
                  "AWS_ENDPOINT_URL_S3": f"http://{HOST_ADDRESS}:{rgw.port}"}

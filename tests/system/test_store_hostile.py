@@ -67,7 +67,7 @@ def new_bucket(gw: object) -> str:
     import boto3
 
     bucket = f"sg-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+    boto3.session.Session().client("s3", endpoint_url=gw.endpoint).create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
     return bucket
 
 
