@@ -3,6 +3,10 @@
     with Nodes(["node-a", "node-b"]) as nodes:
         subprocess.run(cmd, preexec_fn=nodes.enter("node-b"))   # runs with node-b's network
 
+Each set of nodes is one link, `subnet` (the first three octets of a /24; 169.254.77 unless
+given): two sets with different subnets are two sites whose nodes have other addresses, as a
+job restored on other machines sees.
+
 Each node is a network namespace with its own loopback and one end of a veth pair whose other end
 is on a bridge in the creating namespace; the bridge holds the host's address on that link, which
 a service on the host (the lab's radosgw) listens on, so every node reaches it. Addresses are
@@ -30,10 +34,16 @@ PREFIX = 24
 @dataclass
 class Nodes:
     names: list[str]
+    subnet: str = SUBNET  # the link's /24, its first three octets; the host is .1, node i is .(10 + i)
     tag: str = field(default_factory=lambda: secrets.token_hex(3))
     addresses: dict[str, str] = field(default_factory=dict)
     bridge: str = ""
     _made: list[str] = field(default_factory=list)
+
+    @property
+    def host_address(self) -> str:
+        """The host's address on the link (the bridge's)."""
+        return f"{self.subnet}.1"
 
     def ns(self, name: str) -> str:
         return f"sg-{self.tag}-{name}"
@@ -41,12 +51,17 @@ class Nodes:
     def __enter__(self) -> Nodes:
         from pyroute2 import IPRoute, NetNS, netns
 
+        parts = self.subnet.split(".")
+        if len(parts) != 3 or parts[:2] != ["169", "254"] or not parts[2].isdigit() or \
+                not 0 < int(parts[2]) < 255 or int(parts[2]) == 169:
+            raise ValueError(f"subnet must be 169.254.N (N 1..254, not 169), got {self.subnet!r}")
+
         self.bridge = f"sgbr{self.tag}"[:15]
         try:
             with IPRoute() as ip:
                 ip.link("add", ifname=self.bridge, kind="bridge")
                 br = ip.link_lookup(ifname=self.bridge)[0]
-                ip.addr("add", index=br, address=HOST_ADDRESS, prefixlen=PREFIX)
+                ip.addr("add", index=br, address=self.host_address, prefixlen=PREFIX)
                 ip.link("set", index=br, state="up")
                 for i, name in enumerate(self.names):
                     ns = self.ns(name)
@@ -58,7 +73,7 @@ class Nodes:
                     ip.link("set", index=h, master=br, state="up")
                     n = ip.link_lookup(ifname=node_end)[0]
                     ip.link("set", index=n, net_ns_fd=ns)
-                    address = f"{SUBNET}.{10 + i}"
+                    address = f"{self.subnet}.{10 + i}"
                     with NetNS(ns) as nsip:
                         lo = nsip.link_lookup(ifname="lo")[0]
                         nsip.link("set", index=lo, state="up")

@@ -15,7 +15,8 @@ from ..reasons import Finding, Reason, Severity
 from ..takepoint import protocol
 from ._report import Report
 
-__all__ = ["check_host_memory", "check_multi_cuda", "check_stray_gpu_handles", "run_checks"]
+__all__ = ["check_host_memory", "check_multi_cuda", "check_process_groups", "check_stray_gpu_handles", "groups_released",
+           "run_checks"]
 
 RDMA_DEV = re.compile(r"^/dev/(infiniband/.*|gdrdrv)$")
 IO_URING = "anon_inode:[io_uring]"
@@ -106,6 +107,54 @@ def check_stray_gpu_handles(inv: Inventory, trainers: dict[int, dict[str, Any]] 
     return findings
 
 
+def groups_released(status: dict[str, Any] | None) -> bool:
+    """Whether a trainer's take point (its status answer) releases all its process groups and
+    their store at the hold: it has groups, and none it cannot reach."""
+    groups = (status or {}).get(protocol.GROUPS) or {}
+    return bool(groups.get(protocol.GROUP_LIST)) and not groups.get(protocol.GROUPS_UNREACHED) \
+        and not groups.get(protocol.GROUPS_CAPTURED)
+
+
+def _groups_text(groups: dict[str, Any]) -> str:
+    listed = [f"{g.get(protocol.GROUP_BACKEND)} (rank {g.get(protocol.GROUP_RANK)} of ranks "
+              f"{g.get(protocol.GROUP_RANKS)})" for g in groups.get(protocol.GROUP_LIST) or []][:6]
+    store = groups.get(protocol.GROUP_STORE) or {}
+    where = f"; store {store.get('host')}:{store.get('port')}{' hosted here' if store.get('hosted') else ''}" \
+        if store else ""
+    return ", ".join(listed) + where
+
+
+def check_process_groups(inv: Inventory, trainers: dict[int, dict[str, Any]] | None = None,
+                         tcp_established: bool = False) -> list[Finding]:
+    """What the take point resolves of torch.distributed and what it cannot: groups and stores it
+    does not reach (PROCESS_GROUP_UNREACHED), NCCL collectives captured in a CUDA graph
+    (COLLECTIVE_IN_CUDA_GRAPH), and NCCL groups that may use NVLink multicast (NCCL_NVLS_ON:
+    NCCL_NVLS_ENABLE not 0 in the rank's environment). With --tcp-established a group it does
+    not reach is a warning: its connections are carried, for a restore on the same addresses."""
+    by_pid = {p.pid: p for p in inv.procs}
+    findings = []
+    for pid, st in (trainers or {}).items():
+        groups = st.get(protocol.GROUPS) or {}
+        for why in groups.get(protocol.GROUPS_UNREACHED) or []:
+            carried = "; its connections are carried (--tcp-established): restore on the same addresses" \
+                if tcp_established else ""
+            findings.append(Finding(Reason.PROCESS_GROUP_UNREACHED, f"pid {pid}: {why}{carried}",
+                                    Severity.WARNING if tcp_established else Severity.BLOCKER,
+                                    {"pid": pid, "groups": groups}))
+        if groups.get(protocol.GROUPS_CAPTURED):
+            findings.append(Finding(Reason.COLLECTIVE_IN_CUDA_GRAPH, f"pid {pid}: an NCCL collective ran under "
+                                    "CUDA graph capture; its communicator cannot be released at the hold",
+                                    evidence={"pid": pid}))
+        nccl = [g for g in groups.get(protocol.GROUP_LIST) or [] if g.get(protocol.GROUP_BACKEND) == "nccl"]
+        p = by_pid.get(pid)
+        nvls = p.env.get("NCCL_NVLS_ENABLE", "") if p is not None else ""
+        if nccl and nvls.strip() != "0":
+            findings.append(Finding(Reason.NCCL_NVLS_ON, f"pid {pid} has {len(nccl)} NCCL group(s) and "
+                                    f"NCCL_NVLS_ENABLE={nvls or '(unset)'}: NVLink multicast may be in use",
+                                    evidence={"pid": pid, "NCCL_NVLS_ENABLE": nvls}))
+    return findings
+
+
 def check_multi_cuda(inv: Inventory, trainers: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
     """NCCL communicators cannot be checkpointed; several CUDA processes only when every one runs
     the take-point hook, so that all are held at one common step before any is locked.
@@ -114,7 +163,9 @@ def check_multi_cuda(inv: Inventory, trainers: dict[int, dict[str, Any]] | None 
     trainers = trainers or {}
     coordinated = set(trainers)
     cuda = inv.cuda_processes()
-    nccl = [p for p in cuda if p.nccl_in_use or trainers.get(p.pid, {}).get(protocol.NCCL)]
+    # an NCCL communicator the take point releases at the hold (its own backend) is none of these
+    nccl = [p for p in cuda if (p.nccl_in_use and not groups_released(trainers.get(p.pid)))
+            or trainers.get(p.pid, {}).get(protocol.NCCL)]
     if nccl:
         p = nccl[0]
         return [Finding(Reason.NCCL_UNSUPPORTED,
@@ -155,12 +206,25 @@ def check_rdma(inv: Inventory) -> list[Finding]:
     return findings
 
 
-def check_tcp(inv: Inventory, tcp_established: bool, proc: str | None = None) -> list[Finding]:
+def check_tcp(inv: Inventory, tcp_established: bool, proc: str | None = None,
+              trainers: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
+    """Established TCP connections: CRIU refuses them without --tcp-established. A trainer whose
+    take point releases its process groups and their store at the hold has none left at the
+    dump (they are rebuilt after it, at the job's new addresses after a restore): noted, not a
+    blocker. A connection that is not the groups' is still one CRIU refuses at the dump."""
     findings = []
     for p in inv.procs:
         inodes = p.socket_inodes()
         conns = procfs.established_tcp(p.pid, inodes, proc) if inodes else []
-        if conns:
+        status = (trainers or {}).get(p.pid)
+        if conns and groups_released(status) and not tcp_established:
+            findings.append(Finding(Reason.TCP_ESTABLISHED,
+                                    f"pid {p.pid} ({p.comm}) has {len(conns)} established TCP connection(s) of its "
+                                    "process groups, released at the hold and rebuilt after it: "
+                                    f"{_groups_text(status[protocol.GROUPS])}",
+                                    Severity.WARNING, {"pid": p.pid, "connections": conns, "cause": "groups-released",
+                                                       "groups": status[protocol.GROUPS]}))
+        elif conns:
             carried = "carried in the image (--tcp-established)" if tcp_established else \
                 "CRIU refuses them without --tcp-established"
             findings.append(Finding(Reason.TCP_ESTABLISHED,
@@ -272,7 +336,8 @@ def run_checks(report: Report, inv: Inventory, tcp_established: bool = False, pr
     report.run("mps", lambda: check_mps(inv))
     report.run("io-uring", lambda: check_io_uring(inv))
     report.run("rdma", lambda: check_rdma(inv))
-    report.run("tcp", lambda: check_tcp(inv, tcp_established, proc))
+    report.run("process-groups", lambda: check_process_groups(inv, trainers, tcp_established))
+    report.run("tcp", lambda: check_tcp(inv, tcp_established, proc, trainers))
     report.run("deleted-shm", lambda: check_shm(inv, proc))
     report.run("writable-files", lambda: check_writable_files(inv))
     report.run("seccomp", lambda: check_seccomp(inv))

@@ -11,7 +11,10 @@ One request per connection, a line of words; one JSON object per reply, a line:
   take <seconds> [spill]    -> hold at the end of the next step; the hold's figures
   take-at <S> <seconds> [spill]
                             -> hold at the end of step S (a step every rank of a job reaches)
-  release                   -> go on (a descriptor sent with it: the spill's file to reload from)
+  release [rendezvous H:P]  -> go on (a descriptor sent with it: the spill's file to reload from);
+                               the process groups released at the hold are rebuilt, their store
+                               at H:P when named (a restored job's new rank-0 address), else at
+                               the address the job started with
 A take's answer may carry one descriptor (SCM_RIGHTS): the spill's file.
 """
 
@@ -30,6 +33,9 @@ __all__ = [
     "TAKE_AT", "TAKE_DIR_ENV", "TAKE_SPILL_SOURCE", "TMPFS_MAGIC", "TRAINER", "TakeRequest", "fs_type",
     "parse_take", "recv_fds", "release_request", "socket_path", "spill_tmpfs_usable", "status_request",
     "take_request", "take_spill_source_name",
+    "GROUP_BACKEND", "GROUP_LIST", "GROUP_RANK", "GROUP_RANKS", "GROUP_SIZE", "GROUP_STORE", "GROUPS",
+    "GROUPS_CAPTURED", "GROUPS_ENV", "GROUPS_RELEASED", "GROUPS_UNREACHED", "RENDEZVOUS_ENV", "RENDEZVOUS_WORD", "parse_rendezvous",
+    "release_rendezvous",
 ]
 
 # --- the trainer's environment ----------------------------------------------------------------
@@ -43,10 +49,13 @@ OFFLOAD_ENV = "SNAPGUARD_TAKE_OFFLOAD"  # 0: the optimizer's tensors stay on the
 OFFLOAD_DEVICE_ENV = "SNAPGUARD_TAKE_OFFLOAD_DEVICE"  # cpu: a CPU trainer's tensors move (the tests')
 SPILL_ENV = "SNAPGUARD_TAKE_SPILL"  # 0: a take asked to spill keeps the moved bytes in memory
 SPILL_DIR_ENV = "SNAPGUARD_TAKE_SPILL_DIR"  # where the spill's file goes
+GROUPS_ENV = "SNAPGUARD_TAKE_GROUPS"  # 0: torch.distributed's groups are left as torch makes them
+RENDEZVOUS_ENV = "SNAPGUARD_RENDEZVOUS"  # the executor's: HOST:PORT a restore's release names
 
 # --- the socket and its requests --------------------------------------------------------------
 
 STATUS, TAKE, TAKE_AT, RELEASE = "status", "take", "take-at", "release"
+RENDEZVOUS_WORD = "rendezvous"  # a release's option word, before HOST:PORT
 SPILL_WORD = "spill"  # a take's option word, after its numbers: the executor takes the file
 MAX_REQUEST = 4096  # a request line's bytes, at most
 MAX_FDS = 4  # descriptors read with a request or a reply, at most
@@ -62,8 +71,30 @@ def status_request() -> str:
     return f"{STATUS}\n"
 
 
-def release_request() -> str:
-    return f"{RELEASE}\n"
+def release_request(rendezvous: str | None = None) -> str:
+    """A release's line; with `rendezvous` (HOST:PORT) the released groups' store moves there."""
+    return f"{RELEASE} {RENDEZVOUS_WORD} {rendezvous}\n" if rendezvous else f"{RELEASE}\n"
+
+
+def parse_rendezvous(text: str) -> tuple[str, int]:
+    """HOST:PORT ([V6]:PORT for IPv6) as (host, port); ValueError when it is not one."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255 \
+            or not re.fullmatch(r"[A-Za-z0-9.:_-]+", host):
+        raise ValueError(f"not HOST:PORT: {text[:100]!r}")
+    return host, int(port)
+
+
+def release_rendezvous(words: list[str]) -> str | None:
+    """The HOST:PORT a release's words name (validated), or None; ValueError when malformed."""
+    if RENDEZVOUS_WORD not in words[1:]:
+        return None
+    i = words.index(RENDEZVOUS_WORD)
+    if i + 1 >= len(words):
+        raise ValueError("rendezvous names no HOST:PORT")
+    host, port = parse_rendezvous(words[i + 1])
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def take_request(wait_s: float, spill: bool, at_step: int | None = None) -> str:
@@ -111,6 +142,11 @@ OFFLOAD = "offload"  # a take's figures: the optimizer's move
 MOVED_BYTES, MOVED_STORAGES = "bytes", "storages"  # offload's fields: bytes moved, storages moved
 SPILL_PATH, SPILL_BYTES = "path", "bytes"  # offload's `spill` fields: the trainer's name, its size
 SPILL_FILE = "file"  # offload's `spill` field the executor adds: the image's file of it
+GROUPS = "process_groups"  # status and a take's figures: the trainer's torch.distributed groups
+GROUP_LIST, GROUPS_UNREACHED, GROUPS_RELEASED = "groups", "unreached", "released"  # GROUPS' fields
+GROUP_STORE = "store"  # GROUPS' field: the rendezvous store (host, port, hosted here)
+GROUPS_CAPTURED = "captured_in_graph"  # GROUPS' field: an NCCL collective ran under CUDA graph capture
+GROUP_BACKEND, GROUP_RANK, GROUP_SIZE, GROUP_RANKS = "backend", "rank", "size", "ranks"  # a group's
 
 # --- the spill's names and file systems ---------------------------------------------------------
 

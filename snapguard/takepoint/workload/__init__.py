@@ -28,6 +28,10 @@ default: a trainer that reads `.grad` between `optimizer.step()` and its next ba
 gradient norm logged after the step, accumulation across optimizer steps) must leave it off.
 The status answer says both (GPU_HANDLES_DROPPED, COMPILE_POOL), which is how the executor's
 preflight knows that the hook is there.
+
+When the trainer imports torch.distributed, its gloo and nccl groups and their store are made
+releasable (`groups`, off with GROUPS_ENV=0): the hold releases them, the release rebuilds them
+(at the rendezvous the release names, RENDEZVOUS_WORD), and the status answer lists them (GROUPS).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import threading
 
 from ..protocol import socket_path
 from . import forks
-from .env import resolving
+from .env import groups_on, resolving
+from .groups import DIST_MODULE, InstallOnImport, install_on
 from .point import TakePoint
 from .server import OPTIMIZER_MODULE, RegisterOnImport, serve
 
@@ -57,5 +62,10 @@ def start(take_dir: str) -> None:
         point.trainer = True
     else:
         sys.meta_path.insert(0, RegisterOnImport(point))
+    if groups_on():
+        if DIST_MODULE in sys.modules:
+            install_on(sys.modules[DIST_MODULE])
+        else:
+            sys.meta_path.insert(0, InstallOnImport())
     threading.Thread(target=serve, args=(socket_path(take_dir, os.getpid()), point),
                      name="snapguard-take-point", daemon=True).start()

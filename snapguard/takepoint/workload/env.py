@@ -7,7 +7,8 @@ import os
 
 from .. import protocol
 
-__all__ = ["DROP_GRADS", "HOLD_S", "IDLE_STEPS", "offload_device", "offload_on", "resolving", "spill_dir", "switch"]
+__all__ = ["DROP_GRADS", "HOLD_S", "IDLE_STEPS", "groups_on", "offload_device", "offload_on", "resolving", "spill_dir",
+           "switch"]
 
 
 def switch(name: str, default: bool) -> bool:
@@ -25,6 +26,12 @@ DROP_GRADS = switch(protocol.DROP_GRADS_ENV, False)
 def resolving() -> bool:
     """Whether the hook resolves the blockers (the default); RESOLVE_ENV=0 turns it off."""
     return switch(protocol.RESOLVE_ENV, True)
+
+
+def groups_on() -> bool:
+    """Whether the trainer's gloo and nccl groups run on the take point's releasable backend (the
+    default); GROUPS_ENV=0 leaves torch.distributed as it is."""
+    return switch(protocol.GROUPS_ENV, True)
 
 
 def offload_on() -> bool:

@@ -1,6 +1,7 @@
 """The take point's state in the trainer (`TakePoint`): the optimizer steps counted, a take armed
 for a step, the hold at that step's end (the compile pool settled, the optimizer's bytes moved,
-the caches emptied), the wait for the release and the reload after it."""
+the caches emptied, the process groups released: `groups`), the wait for the release, and the
+reload and the groups' rebuild after it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import threading
 import time
 from typing import Any
 
-from ..protocol import (COMPILE_POOL, ERROR, GPU_HANDLES_DROPPED, HOLD_S_ENV, OFFLOAD, PID, POOL_SHUTDOWN_AT_TAKE,
-                        POOL_STATE, RESOLVE, RESOLVE_ERROR, SPILL, SPILL_BUSY, SPILL_DIR, STEP)
+from ..protocol import (COMPILE_POOL, ERROR, GPU_HANDLES_DROPPED, GROUPS, HOLD_S_ENV, OFFLOAD, PID,
+                        POOL_SHUTDOWN_AT_TAKE, POOL_STATE, RESOLVE, RESOLVE_ERROR, SPILL, SPILL_BUSY, SPILL_DIR, STEP)
 from . import env, forks
 from .compile_pool import POOL_SHUTDOWN_S, CompilePool
+from .groups import GROUPS as PROCESS_GROUPS
 from .offload import Offload, clear_cublas_workspaces, drop_grads, host_anon_bytes, malloc_trim, optimizer_tensors
 
 __all__ = ["RELOAD_PATIENCE_S", "TakePoint"]
@@ -43,6 +45,7 @@ class TakePoint:
         # from the spill's file made to the reload's end: the file is mapped or open, and a dump
         # then (the executor's wait ran out: it snapshots without the hold) would need it
         self.spill_busy = False
+        self.rendezvous: str | None = None  # where the release moved the groups' store (HOST:PORT)
 
     def arm(self, at_step: int | None, wait_s: float = 10.0, spill: bool = False) -> None:
         with self.lock:
@@ -65,7 +68,7 @@ class TakePoint:
             os.close(self.release_fd)
             self.release_fd = None
 
-    def release(self, fds: list[int]) -> None:
+    def release(self, fds: list[int], rendezvous: str | None = None) -> None:
         """Go on; the first of `fds`, if any, is the spilled bytes' file to reload from: kept only
         while a hold is under way (a release that comes after its hold ended by itself must not
         be read by a later one: that would bring back older bytes)."""
@@ -75,6 +78,8 @@ class TakePoint:
                 self.release_fd, fds = fds[0], fds[1:]
             for extra in fds:
                 os.close(extra)
+            if rendezvous:
+                self.rendezvous = rendezvous
         self.released.set()
 
     def disarm(self) -> None:
@@ -117,6 +122,8 @@ class TakePoint:
                                  POOL_SHUTDOWN_AT_TAKE: False}
         if self.resolve_error:
             out[RESOLVE_ERROR] = self.resolve_error
+        if "torch.distributed" in sys.modules:
+            out[GROUPS] = PROCESS_GROUPS.status()
         return out
 
     def _hold(self, optimizer: Any = None) -> None:
@@ -124,6 +131,8 @@ class TakePoint:
 
         # First the compile pool (its processes hold NVML handles): gone before the figures.
         pool = self._settle_pool()
+        # then the process groups: every rank drains, its communicators and store connections go
+        groups = PROCESS_GROUPS.release(max(1.0, self.wait_s - (time.monotonic() - self.armed_at)), self.step)
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         reserved_before = torch.cuda.memory_reserved() if cuda else 0
         host_before = host_anon_bytes()
@@ -155,6 +164,8 @@ class TakePoint:
         }
         if pool is not None:
             self.figures[COMPILE_POOL] = pool
+        if groups is not None:
+            self.figures[GROUPS] = {**PROCESS_GROUPS.status(), **groups}
         if offload is not None:
             self.figures[OFFLOAD] = offload.figures
         with self.lock:
@@ -163,6 +174,18 @@ class TakePoint:
         # Hold at the boundary: the snapshot is taken while this thread waits here.
         self._wait_for_release(offload)
         self._end_hold(torch, offload)
+        self._rebuild_groups()
+
+    def _rebuild_groups(self) -> None:
+        """The groups released at the hold made again, their store at the release's rendezvous
+        (a restored job's new address) or where it was; the trainer cannot go on without them."""
+        with self.lock:
+            rendezvous, self.rendezvous = self.rendezvous, None
+        try:
+            PROCESS_GROUPS.rebuild(rendezvous)
+        except Exception as e:
+            raise RuntimeError(f"snapguard take point: the process groups released for the snapshot cannot be "
+                               f"rebuilt (rendezvous {rendezvous or 'as at the start'}): {type(e).__name__}: {e}") from e
 
     def _settle_pool(self) -> dict[str, Any] | None:
         """The compile pool shut down (resolving), within the executor's wait: past it, the

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ..protocol import (ERROR, MAX_REQUEST, NCCL, OK, PID, RELEASE, STATUS, STEP, TAKE, TAKE_AT, TRAINER,
-                        parse_take, recv_fds)
+                        parse_take, recv_fds, release_rendezvous)
 from .point import TakePoint
 
 __all__ = ["OPTIMIZER_MODULE", "RegisterOnImport", "answer", "read_request", "serve"]
@@ -50,15 +50,17 @@ class RegisterOnImport(importlib.abc.MetaPathFinder):
 
 
 def nccl_groups() -> bool:
-    """Whether this process has an NCCL process group (cuda-checkpoint cannot checkpoint NCCL
-    communicators, and procfs does not always show them)."""
+    """Whether this process has an NCCL process group the take point does not release at the hold
+    (cuda-checkpoint cannot checkpoint NCCL communicators, and procfs does not always show them);
+    one on the take point's own backend (`groups`: sgnccl) is not such a group."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
     try:
         from torch.distributed.distributed_c10d import _world
 
-        return any("nccl" in str(entry[0]).lower() for entry in _world.pg_map.values())
+        return any(part.rpartition(":")[2] == "nccl" for entry in _world.pg_map.values()
+                   for part in str(entry[0]).lower().split(","))
     except Exception:  # private API moved: ask the default group
         return "nccl" in str(dist.get_backend()).lower()
 
@@ -80,7 +82,13 @@ def answer(point: TakePoint, words: list[str], fds: list[int]) -> tuple[dict[str
     """The reply to one request, and a descriptor to send with it (a take's spilled bytes). `fds`
     came with the request: a release's is the file to reload from; any other request's are closed."""
     if words[0] == RELEASE:
-        point.release(fds)
+        try:
+            rendezvous = release_rendezvous(words)
+        except ValueError as e:  # nothing released: the executor's request is at fault
+            for fd in fds:
+                os.close(fd)
+            return {OK: False, ERROR: str(e)}, None
+        point.release(fds, rendezvous)
         return {OK: True}, None
     for fd in fds:
         os.close(fd)

@@ -1,0 +1,78 @@
+"""A ddp job (train.py over gloo) spread over the "nodes" of `netns.Nodes`, each node's ranks
+launched as torchrun's agent launches them (workloads/ddp/node_launch.py), and snapguard run
+inside a node's network namespace, as it runs on that node: a checkpoint of the node's tree and a
+restore of it into another node (other addresses), through the `snapguard` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from snapguard.takepoint import site_dir
+
+from . import workloads
+from .ddp import DdpJob
+from .netns import Nodes
+from .testbed import product_root
+
+__all__ = ["NODE_LAUNCH", "NodesJob", "snapguard_in"]
+
+NODE_LAUNCH = workloads.path("ddp", "node_launch.py")
+SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
+
+
+@dataclass
+class NodesJob(DdpJob):
+    """The job's ranks spread over nodes; `rows`, `results`, `mismatches` as DdpJob's.
+    `step_sleep`: seconds per step outside the math (the reference runs with none: same bits)."""
+
+    step_sleep: float = 0.08
+
+    def start_reference(self) -> subprocess.Popen[bytes]:
+        """Every rank on this host (loopback), no hook: the bits a spread run must have; its
+        launcher, started (this job's `step_sleep` is ignored: the math is the same)."""
+        self.step_sleep = 0.0
+        return self.start_node(None, "local", list(range(self.world)), f"127.0.0.1:{_free_port()}", None)
+
+    def start_node(self, nodes: Nodes | None, name: str, ranks: list[int], master: str, take_dir: str | None,
+                   node_rank: int = 0) -> subprocess.Popen[bytes]:
+        """This node's launcher, in its network namespace (None: this one), its ranks
+        rendezvousing at `master`."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "NCCL_NVLS_ENABLE": "0"}
+        for key in ("GLOO_SOCKET_IFNAME", "USE_LIBUV", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(key, None)
+        if take_dir:
+            env["PYTHONPATH"] = os.pathsep.join([site_dir(), product_root()])
+            env["SNAPGUARD_TAKE_DIR"] = take_dir
+        log = open(self.out / f"launcher-{name}.out", "ab")
+        proc = subprocess.Popen([sys.executable, str(NODE_LAUNCH), "--ranks", ",".join(map(str, ranks)),
+                                 "--world", str(self.world), "--node-rank", str(node_rank), "--master", master,
+                                 "--out", str(self.out), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                preexec_fn=nodes.enter(name) if nodes is not None else None)
+        log.close()
+        return proc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def snapguard_in(nodes: Nodes, name: str, args: list[str], env: dict[str, str],
+                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`snapguard ARGS --json` run in node `name`'s network namespace; its record parsed into
+    .stdout (a dict) when it printed one."""
+    done = subprocess.run([SNAPGUARD, *args, "--json"], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=nodes.enter(name), stdin=subprocess.DEVNULL)
+    try:
+        done.stdout = json.loads(done.stdout)  # type: ignore[assignment]
+    except ValueError:
+        pass
+    return done

@@ -1,0 +1,112 @@
+"""A multi-rank gloo job spread over two "nodes" (network namespaces), its ranks launched as
+torchrun's agent launches them, snapshotted by snapguard running on each node: the take point
+releases every rank's process groups and store at the common step (no TCP connection in the
+image, no --tcp-established), rebuilds them after a leave-running snapshot, and after a stop +
+restore into two other nodes (other addresses) at the rendezvous the restore names; the loss bits
+of every step and the final state equal an uninterrupted run's. Real torch (CPU), CRIU, netns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from snapguard_lab.gloo_nodes import NodesJob, snapguard_in
+from snapguard_lab.netns import Nodes
+
+pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.root, pytest.mark.stack]
+
+STEPS = 110
+AHEAD_S = 3.0  # the common step is this far ahead: both nodes' snapguard have started and asked by then
+PORT = 29517
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+
+
+@pytest.fixture
+def sites() -> Iterator[tuple[Nodes, Nodes]]:
+    """Two pairs of nodes on two links: where the job starts, and where it is restored."""
+    with Nodes(["a", "b"], subnet="169.254.81") as first, Nodes(["c", "d"], subnet="169.254.82") as second:
+        yield first, second
+
+
+@contextmanager
+def launched(job: NodesJob, nodes: Nodes, split: list[list[int]], take: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    master = f"{nodes.addresses['a']}:{PORT}"
+    procs = [job.start_node(nodes, name, ranks, master, take, i) for i, (name, ranks) in enumerate(zip("ab", split))]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            subprocess.run(["pkill", "-9", "-s", str(p.pid)], check=False)
+
+
+def checkpoint_both(nodes: Nodes, procs: list[subprocess.Popen[bytes]], at: int, img: Path, env: dict[str, str],
+                    leave_running: bool) -> list[dict]:
+    """`snapguard checkpoint --at-step` on both nodes at once, each in its namespace."""
+    runs = []
+    for name, p in zip("ab", procs):
+        args = ["checkpoint", "--pid", str(p.pid), "--images", str(img / name), "--at-step", str(at)]
+        runs.append((name, args + ["--take-wait", "20"] + (["--leave-running"] if leave_running else [])))
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda r: snapguard_in(nodes, r[0], r[1], env), runs))
+    for d in done:
+        assert d.returncode == 0, (d.stdout, d.stderr)
+    return [d.stdout for d in done]
+
+
+def run_case(tmp_path: Path, env: dict[str, str], sites: tuple[Nodes, Nodes], world: int,
+             split: list[list[int]], leave_running_first: bool) -> None:
+    first, second = sites
+    ref = NodesJob(tmp_path / "ref", world, STEPS)
+    reference = ref.start_reference()  # meanwhile
+    job = NodesJob(tmp_path / "job", world, STEPS)
+    take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
+    with launched(job, first, split, take) as procs:
+        job.wait_step(3)
+        ahead = int(AHEAD_S / job.step_sleep) + 2  # a step takes at least step_sleep: AHEAD_S at least
+        at = max(max(job.rows(r)) for r in range(world)) + ahead
+        if leave_running_first:
+            records = checkpoint_both(first, procs, at, tmp_path / "live", env, leave_running=True)
+            held = [f for rec in records for f in rec["take_point"].values()]
+            assert {f["step"] for f in held} == {at} and len(held) == world
+            assert all(f["process_groups"]["released"] is True and f["process_groups"]["groups"] for f in held), held
+            job.wait_step(at + 3)
+        at = max(max(job.rows(r)) for r in range(world)) + ahead
+        checkpoint_both(first, procs, at, tmp_path / "img", env, leave_running=False)
+        for p in procs:
+            p.wait(timeout=30)
+        rendezvous = f"{second.addresses['c']}:{PORT + 1}"
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(lambda nm: snapguard_in(second, nm[1], ["restore", "--images",
+                                                                          str(tmp_path / "img" / nm[0]),
+                                                                          "--rendezvous", rendezvous], env),
+                                 zip("ab", "cd")))
+        for d, node in zip(done, "cd"):
+            assert d.returncode == 0, (d.stdout, d.stderr)
+            # the node's tree runs in the other node's network namespace (its addresses)
+            assert os.stat(f"/proc/{d.stdout['pid']}/ns/net").st_ino == \
+                os.stat(f"/var/run/netns/{second.ns(node)}").st_ino
+        assert reference.wait(timeout=120) == 0
+        assert job.mismatches(ref) == []
+
+
+def test_two_ranks_leave_running_then_restored_on_other_nodes(tmp_path: Path, env: dict[str, str],
+                                                               sites: tuple[Nodes, Nodes]) -> None:
+    run_case(tmp_path, env, sites, 2, [[0], [1]], leave_running_first=True)
+
+
+def test_four_ranks_restored_on_other_nodes(tmp_path: Path, env: dict[str, str], sites: tuple[Nodes, Nodes]) -> None:
+    run_case(tmp_path, env, sites, 4, [[0, 1], [2, 3]], leave_running_first=False)
