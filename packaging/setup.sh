@@ -1,8 +1,9 @@
 #!/bin/bash
-# Set up snapguard on this machine as root: the real parts (install-deps.sh), then a virtual
+# Set up snapguard's test rig on this machine as root: the real parts (profiles/rig.sh; a node image
+# takes profiles/node.sh instead), then a virtual
 # environment in .venv with snapguard installed editable (its C helpers are compiled by cffi
 # during the install), its test dependencies and the lab (lab/: snapguard-lab). Idempotent.
-# Quiet: one line from install-deps.sh and one from here; the output of a step that fails, whole.
+# Quiet: one line from the rig profile and one from here; the output of a step that fails, whole.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -20,7 +21,7 @@ quiet() {
   fi
 }
 
-bash packaging/install-deps.sh
+bash packaging/profiles/rig.sh
 python=${SNAPGUARD_PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   quiet "$python" -m venv .venv

@@ -1,11 +1,18 @@
 #!/bin/bash
-# Node-image bake: install snapguard on the image being built and gate the bake on the
-# capabilities the image is meant to have. Run as root by the image builder, e.g. from Packer:
+# Node-image bake: install snapguard on the image being built with the node profile
+# (packaging/profiles/node.sh: snapguard's Debian package and the snapguard-criu package, nothing of
+# the test rig, no compiler) and gate the bake on the capabilities the image is meant to have. Build
+# the two packages once on a build host of the image's suite (packaging/build-deb.sh;
+# packaging/profiles/criu.sh, which packaging/setup.sh runs), then run this as root in the image
+# builder, e.g. from Packer:
 #
 #   provisioner "file"  { source = "./snapguard" destination = "/tmp/snapguard" }
+#   provisioner "file"  { source = "./debs/" destination = "/tmp/snapguard-debs" }
 #   provisioner "shell" {
 #     execute_command = "sudo -E bash '{{ .Path }}'"
-#     environment_vars = ["SNAPGUARD_SRC=/tmp/snapguard", "SNAPGUARD_IMAGE_CAPABILITIES=host-netns-containers,gpu"]
+#     environment_vars = ["SNAPGUARD_SRC=/tmp/snapguard", "SNAPGUARD_DEB=/tmp/snapguard-debs/snapguard_0.1.0_amd64.deb",
+#                         "SNAPGUARD_CRIU_DEB=/tmp/snapguard-debs/snapguard-criu_4.2.1-1_amd64.deb",
+#                         "SNAPGUARD_IMAGE_CAPABILITIES=host-netns-containers,gpu"]
 #     script = "./snapguard/packaging/image/provision.sh"
 #   }
 #
@@ -13,7 +20,9 @@
 #
 # Settings (environment):
 #   SNAPGUARD_SRC                 the snapguard source tree (default: the one holding this script)
-#   SNAPGUARD_PREFIX              the root-owned virtual environment to install into (/opt/snapguard)
+#   SNAPGUARD_DEB                 snapguard's Debian package (required)
+#   SNAPGUARD_CRIU_DEB            the snapguard-criu package (default: node.sh's, the newest in
+#                                 /var/cache/snapguard-build/debs)
 #   SNAPGUARD_IMAGE_CAPABILITIES  what the image must be able to snapshot, for `snapguard preflight
 #                                 --node --require` (default: snapguard's, host-netns-containers and,
 #                                 where the builder has an NVIDIA driver, gpu). Bake a GPU image on a
@@ -26,7 +35,6 @@
 set -euo pipefail
 
 src=${SNAPGUARD_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
-prefix=${SNAPGUARD_PREFIX:-/opt/snapguard}
 reports=${SNAPGUARD_REPORT_DIR:-/var/log/snapguard}
 log=$(mktemp -t snapguard-provision.XXXXXX)
 trap 'rm -f "$log"' EXIT
@@ -44,34 +52,19 @@ quiet() {
 }
 
 [ "$(id -u)" -eq 0 ] || { say "must run as root"; exit 1; }
-[ -f "$src/pyproject.toml" ] || { say "no snapguard source tree at $src (set SNAPGUARD_SRC)"; exit 1; }
+[ -f "$src/packaging/profiles/node.sh" ] || { say "no snapguard source tree at $src (set SNAPGUARD_SRC)"; exit 1; }
+[ -n "${SNAPGUARD_DEB:-}" ] || { say "set SNAPGUARD_DEB to snapguard's Debian package (packaging/build-deb.sh)"; exit 1; }
 umask 022  # everything installed here is root's and writable by root alone, as snapguard demands
 
-# 1. The real parts snapguard drives: runc, containerd, iptables, CRIU 4.x and its CUDA plugin.
-bash "$src/packaging/install-deps.sh"
+# 1-2. The node profile: snapguard (its venv built for the image's python3), CRIU 4.x and its CUDA
+# plugin. runc and containerd are the image's own.
+quiet bash "$src/packaging/profiles/node.sh" "$SNAPGUARD_DEB" ${SNAPGUARD_CRIU_DEB:+"$SNAPGUARD_CRIU_DEB"}
+say "$(snapguard --version) from $SNAPGUARD_DEB"
 
-# 2. snapguard itself, in a root-owned virtual environment, its commands linked where root looks.
-[ -x "$prefix/bin/python" ] || quiet python3 -m venv "$prefix"
-quiet "$prefix/bin/python" -m pip install --disable-pip-version-check --no-input --upgrade pip
-quiet "$prefix/bin/python" -m pip install --disable-pip-version-check --no-input "$src"
-for cmd in snapguard snapguard-runc snapguard-cuda-checkpoint; do
-  ln -sfn "$prefix/bin/$cmd" "/usr/local/bin/$cmd"
-done
-if [ ! -e /etc/snapguard/config.toml ]; then
-  install -d -m 0755 /etc/snapguard
-  install -m 0644 "$src/packaging/debian/config.toml" /etc/snapguard/config.toml
-fi
-say "snapguard $(snapguard --version | awk '{print $2}') in $prefix"
-
-# 3. Wire snapguard into the node (containerd's runtime, state directory). `snapguard install`
-# does not exist yet in every release (it is being added): call it only where this snapguard
-# has it, i.e. `snapguard install --help` succeeds; without it the gate below still runs.
-if snapguard install --help >/dev/null 2>&1; then
-  quiet snapguard install
-  say "snapguard install: done"
-else
-  say "snapguard install: not in this release, skipped"
-fi
+# 3. Wire snapguard into the node: containerd's runtime (the launcher the package carries), the
+# pinned paths in /etc/snapguard/config.toml.
+quiet snapguard install
+say "snapguard install: done"
 
 # 4. The gate: the image must be able to take the snapshots it is meant for.
 install -d -m 0755 "$reports"

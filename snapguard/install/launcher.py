@@ -1,9 +1,11 @@
 """snapguard-runc's C launcher: its compile with the pinned compiler, and its pinned file.
 
 The launcher (c_helpers/runc_launcher.c) execs runc for every verb but checkpoint and restore
-without starting Python, and the Python snapguard-runc for those two. It is compiled on the node
-for the config path it reads, into `snapguard-runc-launcher` beside the Python snapguard-runc;
-beside the config, its pinned file (snapguard.config's `_pin`) gives it the config's runc.
+without starting Python, and the Python snapguard-runc for those two. It is compiled for the config
+path it reads, into `snapguard-runc-launcher` beside the Python snapguard-runc: on the node, or where
+a package carries one built for that config path (`PREBUILT_DIR`: the Debian package's, built with
+the package), that one, with no compiler on the node. Beside the config, its pinned file
+(snapguard.config's `_pin`) gives it the config's runc.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -22,8 +25,8 @@ from .base import CompilerMissingError, absent_dirs, fail, read_trusted, sha
 from .changes import Change, Plan
 from .options import DEFAULT_CC, Options
 
-__all__ = ["BUILD_ENV", "LAUNCHER_NAME", "LAUNCHER_SOURCES", "build_launcher", "launcher_source_dir",
-           "launcher_wanted", "plan_launcher", "plan_pin"]
+__all__ = ["BUILD_ENV", "LAUNCHER_NAME", "LAUNCHER_SOURCES", "PREBUILT_DIR", "build_launcher", "launcher_source_dir",
+           "launcher_wanted", "plan_launcher", "plan_pin", "prebuilt_launcher"]
 
 # snapguard-runc's C launcher: the installed name (beside the Python snapguard-runc), its sources
 # (c_helpers/), and how it is compiled (with the pinned compiler, options.DEFAULT_CC).
@@ -33,6 +36,9 @@ LAUNCHER_CFLAGS = ("-std=gnu11", "-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2
                    "-fPIE", "-pie", "-Wl,-z,relro,-z,now", "-s")
 # the compiler finds its assembler and linker through PATH: only root's directories
 BUILD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+# a launcher built with the package for one config path: `runc-launcher` and `config-path` (that
+# path, one line) under the installation's prefix (packaging/build-deb.sh puts them there)
+PREBUILT_DIR = os.path.join(sys.prefix, "share", "snapguard", "launcher")
 
 
 def launcher_source_dir() -> str | None:
@@ -43,6 +49,17 @@ def launcher_source_dir() -> str | None:
         if all(os.path.isfile(os.path.join(directory, name)) for name in LAUNCHER_SOURCES):
             return directory
     return None
+
+
+def prebuilt_launcher(config_path: str) -> bytes | None:
+    """The launcher built with the package, where it was built for `config_path` (root's files
+    alone), else None."""
+    if not os.path.exists(os.path.join(PREBUILT_DIR, "config-path")):
+        return None  # no package's launcher here: nothing to check
+    built_for = read_trusted(os.path.join(PREBUILT_DIR, "config-path"), "the prebuilt launcher's config path")
+    if built_for is None or built_for.decode("utf-8", "replace").strip() != os.path.normpath(config_path):
+        return None
+    return read_trusted(os.path.join(PREBUILT_DIR, "runc-launcher"), "the prebuilt launcher")
 
 
 def _c_literal(text: str) -> str:
@@ -107,7 +124,11 @@ def launcher_wanted(opts: Options) -> bool:
         return opts.launcher
     # by default, where it can be built: no compiler is a note and the Python entry, not a failure
     # (--launcher demands it, and says what is missing)
-    return opts.snapguard_runc is None and launcher_source_dir() is not None and os.path.exists(opts.cc or DEFAULT_CC)
+    if opts.snapguard_runc is not None:
+        return False
+    if prebuilt_launcher(opts.snapguard_config) is not None:
+        return True
+    return launcher_source_dir() is not None and os.path.exists(opts.cc or DEFAULT_CC)
 
 
 def plan_launcher(opts: Options, snapguard_runc: str, records: dict[str, Any], plan: Plan) -> Change | None:
@@ -131,7 +152,7 @@ def plan_launcher(opts: Options, snapguard_runc: str, records: dict[str, Any], p
     path = os.path.normpath(opts.launcher_path or os.path.join(os.path.dirname(snapguard_runc), LAUNCHER_NAME))
     if not os.path.isabs(path):
         raise fail(f"the launcher's path must be absolute, got {path!r}")
-    data = build_launcher(config_path, cc=opts.cc)
+    data = prebuilt_launcher(config_path) or build_launcher(config_path, cc=opts.cc)
     before = read_trusted(path, "snapguard-runc's launcher")
     rec = records.get(path)
     if before is not None and before != data and (rec is None or rec.get("sha256") != sha(before)):

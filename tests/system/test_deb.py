@@ -1,144 +1,233 @@
-"""The Debian package for node images (packaging/build-deb.sh, dh-virtualenv): it builds, installs
-with dpkg on this machine, runs from its own venv (/opt/snapguard/venv: `snapguard --version`, the
-node preflight as Prometheus textfile metrics, `snapguard install` building the pass-through launcher
-from the sources the package carries and naming it, where a compiler exists, else naming its
-snapguard-runc), and `dpkg --purge` leaves nothing behind, what `snapguard install` wrote included
-(the launcher too: the package's prerm reverses it). It touches none of the test suite's own files: the package's paths are its own."""
+"""The node install profile and the Debian package, in fresh Debian chroots (debootstrap --variant=
+minbase from Debian's archive, each suite once per session, made while the package builds).
+
+Debian 12: packaging/profiles/node.sh bakes the package and the rig's snapguard-criu into the
+chroot; no test-rig package (profiles/rig.sh's and criu.sh's lists), no compiler and no compat stack
+is in it; CRIU 4.2.1 and its CUDA plugin are; the venv the postinst built runs `snapguard --version`,
+the node preflight (exit 1, blocked: no GPU there, GPU_DRIVER_MISSING), the textfile metrics and
+`import boto3, prometheus_client, grpc` (the s3, metrics and k8s extras); the agent's unit is
+installed, not enabled; `snapguard install` with the node's default paths installs the launcher
+built with the package (no compiler there) and it runs runc without Python; `dpkg --purge` reverses
+it all and leaves nothing. Debian 13 (Python 3.13): the package installs with dpkg beside Debian's
+python3 and the same commands work from its venv. Nothing on this machine is touched but the
+chroots (in a tmpfs).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from snapguard.trust import resolve_trusted
-from tests.launcher_compiler import pinned_compiler_usable
-
 REPO = Path(__file__).resolve().parents[2]
-PACKAGE_DIRS = ["/opt/snapguard/venv", "/etc/snapguard", "/var/lib/snapguard"]
-ENABLED = [path for unit in ("snapguard-preflight.service", "snapguard-spill.service")
-           for path in (f"/etc/systemd/system/multi-user.target.wants/{unit}",
-                        f"/var/lib/systemd/deb-systemd-helper-enabled/{unit}.dsh-also",
-                        f"/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/{unit}")]
+MIRROR = "http://deb.debian.org/debian"
+# Debian 13's chroot comes with python3 (the package's one dependency), so its test installs the
+# package with dpkg alone, no index update; Debian 12's gets everything through node.sh and apt
+SUITES = {"bookworm": [], "trixie": ["--include=python3"]}
+CRIU_DEBS = Path(os.environ.get("SNAPGUARD_DEBS", "/var/cache/snapguard-build/debs"))
+# debootstrap's downloads, kept between sessions where the machine keeps them
+DEBOOTSTRAP_CACHE = Path("/var/cache/snapguard-build/debootstrap")
+ENV = ["/usr/bin/env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C", "DEBIAN_FRONTEND=noninteractive"]
+VENV = "/opt/snapguard/venv"
+LAUNCHER = f"{VENV}/bin/snapguard-runc-launcher"
+WANTS = "/etc/systemd/system/multi-user.target.wants"
+# on a node as well as on the rig: not test-rig packages
+SHARED = {"python3", "ca-certificates", "curl", "xz-utils"}
+
+pytestmark = pytest.mark.root
 
 
-LAUNCHER = "/opt/snapguard/venv/bin/snapguard-runc-launcher"
+def _rig_packages() -> set[str]:
+    """Every package the rig's profile installs (its lists in profiles/rig.sh and criu.sh)."""
+    names: set[str] = set()
+    for script in ("rig.sh", "criu.sh"):
+        text = (REPO / "packaging" / "profiles" / script).read_text()
+        for body in re.findall(r"^(?:RUNTIME|STORE|PACKAGING|CRIU_BUILD)_PKGS=\(([^)]*)\)", text, re.M):
+            names.update(word.split("=")[0] for word in body.split())
+    assert {"ceph-mon", "radosgw", "docker-registry", "build-essential", "containerd", "runc"} <= names
+    return names - SHARED
 
 
-def _installed() -> str:
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "snapguard"], capture_output=True, text=True)
-    return out.stdout if out.returncode == 0 else ""
+@dataclass
+class Chroot:
+    root: Path
+
+    def run(self, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["chroot", str(self.root), *ENV, *argv], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def ok(self, *argv: str, timeout: float = 180) -> str:
+        out = self.run(*argv, timeout=timeout)
+        assert out.returncode == 0, f"{argv}: rc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        return out.stdout
+
+    def path(self, inside: str) -> Path:
+        return self.root / inside.lstrip("/")
+
+    def packages(self) -> set[str]:
+        return set(self.ok("dpkg-query", "-W", "-f=${Package}\n").split())
 
 
-def _run(*cmd: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kw)
-
-
-@pytest.fixture(scope="module")
-def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Chroot]]]:
+    """The package (packaging/build-deb.sh) and one minbase chroot per suite, made at once."""
     if os.geteuid() != 0:
-        pytest.fail("dpkg -i needs root (CI and the README's test command run as root)")
-    if _installed() or any(os.path.exists(p) for p in PACKAGE_DIRS):
-        pytest.skip("this machine has a snapguard package or its directories: the test would replace them")
-    out = tmp_path_factory.mktemp("deb")
-    built = _run("bash", str(REPO / "packaging" / "build-deb.sh"), str(out), timeout=540)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return Path(built.stdout.strip().splitlines()[-1])
-
-
-def test_package_installs_runs_and_purges_cleanly(deb: Path, tmp_path: Path) -> None:
-    listing = _run("dpkg-deb", "-c", str(deb)).stdout.splitlines()
-    paths = [line.split(None, 5)[5].split(" -> ")[0].lstrip(".").rstrip("/") or "/" for line in listing]
-    assert {"/opt/snapguard/venv/bin/snapguard-runc", "/usr/bin/snapguard", "/usr/bin/snapguard-runc",
-            "/etc/snapguard/config.toml", "/lib/systemd/system/snapguard-preflight.service",
-            "/lib/systemd/system/snapguard-spill.service"} <= set(paths)
-    site = next(p for p in paths if p.endswith("/site-packages"))
-    assert {f"{site}/snapguard/takepoint/site/sitecustomize.py", f"{site}/snapguard/_procscan.abi3.so",
-            f"{site}/prometheus_client/__init__.py", f"{site}/snapguard/_c_helpers/runc_launcher.c",
-            f"{site}/snapguard/_c_helpers/runc_argv_table.h"} <= set(paths)
-    assert not any("distutils-precedence.pth" in p for p in paths)  # nothing runs at every start
-    existed = {p for p in paths if os.path.lexists(p)}
-
-    # what `snapguard install` will change: a node's containerd config, in a temporary tree
-    etc = tmp_path / "etc"
-    (etc / "containerd").mkdir(parents=True)
-    main = etc / "containerd" / "config.toml"
-    main.write_text('version = 2\n\n[plugins."io.containerd.grpc.v1.cri".cni]\n  conf_dir = "/etc/cni/net.d"\n')
-    before = {p: p.read_bytes() for p in etc.rglob("*") if p.is_file()}
-
+        pytest.fail("debootstrap and chroot need root (CI and the README's test command run as root)")
+    if shutil.which("debootstrap") is None:
+        pytest.fail("no debootstrap: run packaging/setup.sh (the rig profile installs it)")
+    base = tmp_path_factory.mktemp("deb")
+    DEBOOTSTRAP_CACHE.mkdir(parents=True, exist_ok=True)
+    # the chroots in memory: dpkg's fsync of every file it unpacks is what makes them slow on disk
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g,mode=0755", "snapguard-test-deb", str(base)],
+                   check=True, timeout=30)
     try:
-        inst = _run("dpkg", "-i", str(deb))
-        assert inst.returncode == 0, inst.stdout[-2000:] + inst.stderr[-2000:]
-        assert _installed() == "install ok installed"
-        conffiles = _run("dpkg-query", "-W", "-f=${Conffiles}", "snapguard").stdout
-        assert "/etc/snapguard/config.toml" in conffiles
-
-        version = _run("/usr/bin/snapguard", "--version", env={"PATH": "/usr/bin:/bin"})
-        assert version.stdout.strip() == "snapguard 0.1.0", version.stderr
-        # everything that decides what runs as root is root's alone (snapguard.trust's rules)
-        assert resolve_trusted("/usr/bin/snapguard-runc", "exec") == "/opt/snapguard/venv/bin/snapguard-runc"
-        for root, dirs, files in os.walk("/opt/snapguard/venv"):
-            for name in dirs + files:
-                st = os.lstat(os.path.join(root, name))
-                assert st.st_uid == 0 and st.st_mode & 0o022 == 0 or os.path.islink(os.path.join(root, name)), name
-        imported = _run("/opt/snapguard/venv/bin/python", "-c",
-                        "import snapguard, snapguard._procscan, prometheus_client; print(snapguard.__file__)", cwd="/")
-        assert imported.stdout.startswith(site), imported.stderr
-
-        # the boot unit's command: the node preflight as textfile metrics
-        metrics = _run("/usr/bin/snapguard", "metrics", "--textfile", str(tmp_path), timeout=180)
-        assert metrics.returncode == 0, metrics.stderr
-        prom = (tmp_path / "snapguard.prom").read_text()
-        assert "snapguard_node_ready" in prom and 'snapguard_check_ok{check="criu"}' in prom
-        unit = Path("/lib/systemd/system/snapguard-preflight.service").read_text()
-        assert "ExecStart=/opt/snapguard/venv/bin/snapguard metrics" in unit and "Type=oneshot" in unit
-        # the spill tmpfs, with huge pages, at the path the take points look for; both units
-        # enabled for the next boot, neither started by the install
-        spill = Path("/lib/systemd/system/snapguard-spill.service").read_text()
-        assert re.search(r"^ExecStart=/bin/mount -t tmpfs -o \S*huge=within_size\S* snapguard-spill "
-                         r"/run/snapguard-spill$", spill, re.M), spill
-        assert [p for p in ENABLED if p.startswith("/etc/") and not os.path.lexists(p)] == []
-
-        # `snapguard install` from the package builds the launcher from the package's sources (with
-        # the pinned compiler, where there is one) beside the package's snapguard-runc and names it,
-        # else (--no-launcher) names the package's snapguard-runc; the state file is the default
-        # one, which the package's prerm reads
-        conf = tmp_path / "snapguard.toml"
-        compiler = pinned_compiler_usable()
-        ins = _run("/usr/bin/snapguard", "install", "--containerd-config", str(main), "--config", str(conf), "--json",
-                   *([] if compiler else ["--no-launcher"]))
-        assert ins.returncode == 0, ins.stderr
-        expected = LAUNCHER if compiler else "/opt/snapguard/venv/bin/snapguard-runc"
-        assert json.loads(ins.stdout)["facts"]["binary_name"] == expected
-        dropin = tomllib.loads((etc / "containerd" / "conf.d" / "99-snapguard.toml").read_text())
-        runtime = dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]
-        assert runtime["options"]["BinaryName"] == expected
-        if compiler:
-            st = os.stat(LAUNCHER)
-            assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o755, 0, 0)
-            assert (tmp_path / "runc-launcher.pin").is_file()
-            # runc's own --version, through the launcher, without Python
-            ver = _run(LAUNCHER, "--version", env={"PATH": "/nonexistent"})
-            assert ver.returncode == 0 and "runc version" in ver.stdout, ver.stdout + ver.stderr
-        assert os.path.exists("/var/lib/snapguard/install.json")
+        yield from _build(base)
     finally:
-        purge = _run("dpkg", "--purge", "snapguard")
-    assert purge.returncode == 0, purge.stdout[-2000:] + purge.stderr[-2000:]
-    # dpkg may only say that a directory it shares with what was there before stays (/opt/snapguard
-    # holds the compat stack where install-deps.sh put one)
-    warnings = [line for line in (purge.stdout + purge.stderr).splitlines() if "warning" in line]
-    assert [w for w in warnings if not (re.search(r"directory '(.*)' not empty", w) and
-                                        re.search(r"directory '(.*)' not empty", w).group(1) in existed)] == []
-    assert _installed() == ""
-    left = sorted(p for p in paths if os.path.lexists(p) and p not in existed)
-    assert left == []
-    assert [p for p in PACKAGE_DIRS + ENABLED if os.path.lexists(p)] == []
-    # the prerm reversed what `snapguard install` wrote
-    assert {p: p.read_bytes() for p in etc.rglob("*") if p.is_file()} == before
-    assert not (etc / "containerd" / "conf.d").exists() and not conf.exists()
-    assert not os.path.lexists(LAUNCHER) and not (tmp_path / "runc-launcher.pin").exists()
+        subprocess.run(["umount", "-l", str(base)], timeout=60)
+
+
+def _build(base: Path) -> Iterator[tuple[Path, dict[str, Chroot]]]:
+    jobs = {suite: subprocess.Popen(["debootstrap", "--variant=minbase", f"--cache-dir={DEBOOTSTRAP_CACHE}",
+                                     *extra, suite, str(base / suite), MIRROR],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    text=True) for suite, extra in SUITES.items()}
+    jobs["deb"] = subprocess.Popen(["bash", str(REPO / "packaging" / "build-deb.sh"), str(base / "dist")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    outs: dict[str, tuple[int, str, str]] = {}
+    try:
+        for name, job in jobs.items():
+            out, err = job.communicate(timeout=540)
+            outs[name] = (job.returncode, out, err or "")
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    for name, (rc, out, err) in outs.items():
+        assert rc == 0, f"{name}: rc {rc}\n{out[-3000:]}\n{err[-3000:]}"
+    deb = Path(outs["deb"][1].strip().splitlines()[-1])
+    chroots = {suite: Chroot(base / suite) for suite in SUITES}
+    mounted = []
+    try:
+        for chroot in chroots.values():
+            subprocess.run(["mount", "-t", "proc", "proc", str(chroot.path("/proc"))], check=True, timeout=30)
+            mounted.append(chroot.path("/proc"))
+            chroot.path("/tmp/sg").mkdir()
+            shutil.copy(deb, chroot.path("/tmp/sg"))
+        yield deb, chroots
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], timeout=30)
+
+
+def _preflight_blocked_without_gpu(chroot: Chroot) -> dict:
+    out = chroot.run("snapguard", "preflight", "--node", "--json", timeout=120)
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and report["exit_code"] == 1 and report["verdict"] == "blocked", out.stderr
+    assert "GPU_DRIVER_MISSING" in [b["reason"] for b in report["capabilities"]["gpu"]["blockers"]]
+    return report
+
+
+def _venv_works(chroot: Chroot, python: str) -> None:
+    assert chroot.ok("snapguard", "--version").strip() == "snapguard 0.1.0"
+    assert chroot.ok(f"{VENV}/bin/python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])").strip() == python
+    chroot.ok(f"{VENV}/bin/python", "-I", "-c", "import boto3, prometheus_client, grpc, snapguard._procscan")
+    # pip ran from its wheel: nothing of it (nor setuptools' .pth) is in the venv
+    site = chroot.path(f"{VENV}/lib/python{python}/site-packages")
+    assert not (site / "pip").exists() and not list(site.glob("*.pth")), sorted(os.listdir(site))
+    for root, dirs, files in os.walk(chroot.path(VENV)):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(root, name))
+            assert os.path.islink(os.path.join(root, name)) or (st.st_uid == 0 and st.st_mode & 0o022 == 0), name
+
+
+def _purge_leaves_nothing(chroot: Chroot) -> None:
+    before = chroot.packages()
+    out = chroot.run("dpkg", "--purge", "snapguard")
+    assert out.returncode == 0, out.stdout + out.stderr
+    # dpkg may only say that a directory the suite has besides the package's stays (/lib/systemd/system
+    # where /lib is /usr/lib's alias)
+    warnings = [line for line in (out.stdout + out.stderr).splitlines() if "warning" in line]
+    kept = [m.group(1) if (m := re.search(r"directory '(.*)' not empty", w)) else w for w in warnings]
+    assert [d for d in kept if "snapguard" in d or not chroot.path(d).is_dir()] == [], warnings
+    assert chroot.packages() == before - {"snapguard"}
+    assert [p for p in ("/opt/snapguard", "/etc/snapguard", "/var/lib/snapguard", "/usr/share/snapguard",
+                        "/usr/bin/snapguard", f"{WANTS}/snapguard-preflight.service",
+                        "/lib/systemd/system/snapguard-agent.service") if os.path.lexists(chroot.path(p))] == []
+
+
+def test_node_profile_on_debian_12_has_nothing_of_the_rig(built: tuple[Path, dict[str, Chroot]]) -> None:
+    deb, chroots = built
+    chroot = chroots["bookworm"]
+    criu_debs = sorted(CRIU_DEBS.glob("snapguard-criu_*_amd64.deb"))
+    assert criu_debs, f"no snapguard-criu package in {CRIU_DEBS}: run packaging/setup.sh (profiles/criu.sh packs it)"
+    shutil.copytree(REPO / "packaging" / "profiles", chroot.path("/tmp/sg/profiles"))
+    shutil.copy(criu_debs[-1], chroot.path("/tmp/sg"))
+    minbase = chroot.packages()
+    chroot.ok("bash", "/tmp/sg/profiles/node.sh", f"/tmp/sg/{deb.name}", f"/tmp/sg/{criu_debs[-1].name}", timeout=300)
+
+    installed = chroot.packages()
+    assert {"snapguard", "snapguard-criu"} <= installed
+    assert installed & _rig_packages() == set()
+    assert [p for p in installed - minbase if p.endswith("-dev") or p.startswith(("gcc", "cpp", "ceph", "binutils"))] == []
+    assert [p for p in ("/usr/bin/cc", "/usr/bin/gcc", "/opt/snapguard/compat") if os.path.lexists(chroot.path(p))] == []
+    assert "Version: 4.2.1" in chroot.ok("/usr/local/sbin/criu", "--version")
+    assert chroot.path("/usr/local/lib/criu/cuda_plugin.so").is_file()
+
+    _venv_works(chroot, "3.11")
+    report = _preflight_blocked_without_gpu(chroot)
+    assert {c["name"]: c["status"] for c in report["checks"]}["cuda-plugin"] == "ok"
+    chroot.ok("snapguard", "metrics", "--textfile", "/tmp/sg", timeout=120)
+    assert 'snapguard_check_ok{check="criu"}' in chroot.path("/tmp/sg/snapguard.prom").read_text()
+    assert "/etc/snapguard/config.toml" in chroot.ok("dpkg-query", "-W", "-f=${Conffiles}", "snapguard")
+    # the boot units enabled, the agent's installed only (it runs once its sources and store are set)
+    assert chroot.path(f"{WANTS}/snapguard-preflight.service").is_symlink()
+    assert chroot.path(f"{WANTS}/snapguard-spill.service").is_symlink()
+    agent = chroot.path("/lib/systemd/system/snapguard-agent.service").read_text()
+    assert f"ExecStart={VENV}/bin/snapguard agent" in agent
+    assert not os.path.lexists(chroot.path(f"{WANTS}/snapguard-agent.service"))
+
+    # the node's own runc and containerd config, then `snapguard install` with the default paths:
+    # the launcher built with the package, with no compiler here
+    chroot.ok("apt-get", "install", "-y", "-qq", "--no-install-recommends", "runc", timeout=300)
+    main = chroot.path("/etc/containerd/config.toml")
+    main.parent.mkdir()
+    main.write_text(original := 'version = 2\n\n[plugins."io.containerd.grpc.v1.cri".cni]\n  conf_dir = "/etc/cni/net.d"\n')
+    ins = json.loads(chroot.ok("snapguard", "install", "--json"))
+    assert ins["facts"]["binary_name"] == LAUNCHER
+    dropin = tomllib.loads(chroot.path("/etc/containerd/conf.d/99-snapguard.toml").read_text())
+    assert dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["snapguard"]["options"][
+        "BinaryName"] == LAUNCHER
+    assert chroot.path(LAUNCHER).read_bytes() == chroot.path(f"{VENV}/share/snapguard/launcher/runc-launcher").read_bytes()
+    st = os.stat(chroot.path(LAUNCHER))
+    assert (st.st_mode & 0o7777, st.st_uid) == (0o755, 0)
+    out = subprocess.run(["chroot", str(chroot.root), "/usr/bin/env", "-i", "PATH=/nonexistent", LAUNCHER, "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "runc version" in out.stdout, out.stdout + out.stderr
+
+    _purge_leaves_nothing(chroot)
+    assert main.read_text() == original
+    assert not chroot.path("/etc/containerd/conf.d").exists()
+
+
+def test_package_on_debian_13_python_3_13(built: tuple[Path, dict[str, Chroot]]) -> None:
+    deb, chroots = built
+    chroot = chroots["trixie"]
+    minbase = chroot.packages()
+    chroot.ok("dpkg", "-i", f"/tmp/sg/{deb.name}", timeout=300)
+    installed = chroot.packages()
+    assert "snapguard" in installed and installed & _rig_packages() == set()
+    _venv_works(chroot, "3.13")
+    report = _preflight_blocked_without_gpu(chroot)
+    assert "CRIU_MISSING" in [b["reason"] for b in report["blockers"]]
+    assert chroot.path(f"{VENV}/share/snapguard/launcher/runc-launcher").is_file()
+    _purge_leaves_nothing(chroot)
+    assert minbase <= chroot.packages()
