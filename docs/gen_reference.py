@@ -52,6 +52,9 @@ NOTES: dict[str, tuple[str, str]] = {
                          "that does not exist is `CONFIG_INVALID`"),
     "SNAPGUARD_DEVICE_MAP": ("set by the executor", "the device map (image GPU UUID to this host's) that the "
                              "executor passes to `snapguard-cuda-checkpoint` under CRIU's CUDA plugin at restore"),
+    "SNAPGUARD_STORE": ("executor", "the image store (URL) in which `snapguard-runc restore` of a pod's "
+                        "container created from a checkpoint image takes the epoch the webhook recorded on the "
+                        "pod (`snapguard.io/epoch`); set it in containerd's environment"),
     "SNAPGUARD_CUDA_BROKER": ("set by the executor", "the socket of the executor's broker that "
                               "`snapguard-cuda-checkpoint` asks while CRIU runs"),
     "SNAPGUARD_TAKE_DIR": ("trainer", "where the take point listens (`<dir>/<pid>.sock`); setting it, with "

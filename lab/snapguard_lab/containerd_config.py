@@ -66,6 +66,8 @@ temp = '{w}/tmp'
         runtime_type = 'io.containerd.runc.v2'
         runtime_path = '{bin_dir}/containerd-shim-runc-v2'
         sandboxer = 'podsandbox'
+        # as `snapguard install` writes it: the pod's snapguard.io/* annotations reach its containers' specs
+        pod_annotations = ['snapguard.io/*']
         [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{handler}.options]
           BinaryName = '{runtime_binary}'
           SystemdCgroup = false

@@ -357,6 +357,31 @@ class Registry:
         self.proc = None
 
 
+def lab_images(images: Path) -> tuple[bytes, dict[str, bytes], str]:
+    """The counter image's (manifest, blobs) for the registry, and the pause image as an OCI
+    layout tarball under `images` (imported, never pulled), built from the counter's layer."""
+    images.mkdir(mode=0o700, parents=True, exist_ok=True)
+    counter_tar = str(images / "counter.tar")
+    build_counter_image(counter_tar)
+    manifest, blobs = _read_layout(counter_tar)
+    layer = blobs[json.loads(manifest)["layers"][0]["digest"]]
+    pause_config, pause_manifest = _image_blobs(layer, _PAUSE_CMD)
+    pause_tar = str(images / "pause.tar")
+    _write_layout(pause_tar, PAUSE_IMAGE, pause_manifest, [pause_config, layer])
+    return manifest, blobs, pause_tar
+
+
+def wait_rows(cri: Cri, container_id: str, count: int, timeout: float = 20.0) -> CounterRows:
+    """The counter's /out/counter.log once it has `count` lines (AssertionError past `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = counter_rows(cri.exec_sync(container_id, ["cat", "/out/counter.log"]).decode())
+        if len(rows.rows) >= count or time.monotonic() > deadline:
+            assert len(rows.rows) >= count, f"{container_id[:13]}: {len(rows.rows)} lines, waited for {count}"
+            return rows
+        time.sleep(0.1)
+
+
 def remove_all_pods(socket: str) -> None:
     """Stop and remove every pod sandbox on the CRI socket (testbed.Containerd's `remove_pods`)."""
     cri = Cri(socket)
@@ -388,16 +413,7 @@ class CriLab:
     def start(self) -> CriLab:
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.state_dir.mkdir(mode=0o700, exist_ok=True)
-        images = self.workdir / "images"
-        images.mkdir(mode=0o700, exist_ok=True)
-        counter_tar = str(images / "counter.tar")
-        build_counter_image(counter_tar)
-        manifest, blobs = _read_layout(counter_tar)
-        layer = blobs[json.loads(manifest)["layers"][0]["digest"]]
-        pause_config, pause_manifest = _image_blobs(layer, _PAUSE_CMD)
-        pause_tar = str(images / "pause.tar")
-        _write_layout(pause_tar, PAUSE_IMAGE, pause_manifest, [pause_config, layer])
-
+        manifest, blobs, pause_tar = lab_images(self.workdir / "images")
         self.registry.start()
         self.counter_digest = self.registry.push(COUNTER_REPO, "1", manifest, blobs)
         self.counter_image = f"{self.registry.host}/{COUNTER_REPO}:1"

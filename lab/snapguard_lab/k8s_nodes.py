@@ -15,7 +15,6 @@ built from the same layer. `in_node` runs a function with a node's network (the 
 
 from __future__ import annotations
 
-import json
 import secrets
 import socket
 import subprocess
@@ -26,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .cri import _PAUSE_CMD, COMPAT_BIN, COUNTER_REPO, Cri, Registry, _image_blobs, _read_layout, _write_layout, \
-    remove_all_pods
+from .cri import COMPAT_BIN, COUNTER_REPO, Cri, Registry, lab_images, remove_all_pods
 from .netns import Nodes
-from .testbed import PAUSE_IMAGE, Containerd, build_counter_image
+from .testbed import Containerd
 
 __all__ = ["Node", "TwoNodes"]
 
@@ -50,30 +48,26 @@ class TwoNodes:
     def __init__(self, workdir: str, config_file: str) -> None:
         self.workdir = Path(workdir)
         self.config_file = config_file
-        self.net = _Net(["a", "b"])
+        self.net = Nodes(["a", "b"], subnet=_free_subnet())
         self.registry = Registry(str(self.workdir / "registry"), self.net.host_address)
         self.nodes: dict[str, Node] = {}
         self.counter_image = ""
         self.counter_digest = ""
         self.host = ""  # localhost:<port>: the registry as every node names it
         self.relays: list[subprocess.Popen[bytes]] = []
+        self.store_url = ""  # the image store both nodes use (SNAPGUARD_STORE of their snapguard-runc)
 
     def start(self) -> TwoNodes:
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.net.__enter__()
-        images = self.workdir / "images"
-        images.mkdir(mode=0o700, exist_ok=True)
-        counter_tar = str(images / "counter.tar")
-        build_counter_image(counter_tar)
-        manifest, blobs = _read_layout(counter_tar)
-        layer = blobs[json.loads(manifest)["layers"][0]["digest"]]
-        pause_config, pause_manifest = _image_blobs(layer, _PAUSE_CMD)
-        pause_tar = str(images / "pause.tar")
-        _write_layout(pause_tar, PAUSE_IMAGE, pause_manifest, [pause_config, layer])
+        manifest, blobs, pause_tar = lab_images(self.workdir / "images")
         self.registry.start()
         self.counter_digest = self.registry.push(COUNTER_REPO, "1", manifest, blobs)
         self.host = f"localhost:{self.registry.port}"
         self.counter_image = f"{self.host}/{COUNTER_REPO}:1"
+        store = self.workdir / "store"
+        store.mkdir(mode=0o700, exist_ok=True)
+        self.store_url = f"file://{store}"
         for name in ("a", "b"):
             relay = subprocess.Popen([sys.executable, "-m", "snapguard_lab.relay", str(self.registry.port),
                                       self.net.host_address, str(self.registry.port)], stdout=subprocess.PIPE,
@@ -88,6 +82,7 @@ class TwoNodes:
                 "SNAPGUARD_RUNC": f"{COMPAT_BIN}/runc",
                 "SNAPGUARD_CONFIG": self.config_file,
                 "SNAPGUARD_STATE_DIR": str(state),
+                "SNAPGUARD_STORE": self.store_url,
             }, stack="compat", cri=True, registry_host=self.host, remove_pods=remove_all_pods,
                 preexec=self.net.enter(name))
             ctrd.start()
@@ -143,28 +138,3 @@ def _free_subnet() -> str:
     if not free:
         raise RuntimeError("no free 169.254.X/24 for the nodes' bridge")
     return secrets.choice(free)
-
-
-class _Net(Nodes):
-    """netns.Nodes on a link-local /24 of its own (`host_address` the bridge's)."""
-
-    def __init__(self, names: list[str]) -> None:
-        super().__init__(names)
-        self.subnet = _free_subnet()
-        self.host_address = f"{self.subnet}.1"
-
-    def __enter__(self) -> _Net:
-        from . import netns
-
-        # netns.Nodes reads its subnet from the module; its setup runs with this one's, under a lock
-        with _SUBNET_LOCK:
-            saved = netns.SUBNET, netns.HOST_ADDRESS
-            netns.SUBNET, netns.HOST_ADDRESS = self.subnet, self.host_address
-            try:
-                super().__enter__()
-            finally:
-                netns.SUBNET, netns.HOST_ADDRESS = saved
-        return self
-
-
-_SUBNET_LOCK = threading.Lock()

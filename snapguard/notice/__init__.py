@@ -19,6 +19,7 @@ from ._containerd import DEFAULT_ADDRESS as DEFAULT_ADDRESS
 from ._containerd import DEFAULT_CTR as DEFAULT_CTR
 from ._containerd import DEFAULT_RUNC_ROOT as DEFAULT_RUNC_ROOT
 from ._containerd import ContainerdWatch as ContainerdWatch
+from ._cripods import CriPods as CriPods
 from ._sources import AWS_URL as AWS_URL
 from ._sources import AZURE_URL as AZURE_URL
 from ._sources import GCE_URL as GCE_URL
@@ -46,7 +47,7 @@ from ._upload import ImageStore as ImageStore
 
 __all__ = [
     "AWS_URL", "AZURE_URL", "DEFAULT_ADDRESS", "DEFAULT_CTR", "DEFAULT_RUNC_ROOT", "GCE_URL", "K8S_CA",
-    "K8S_TOKEN", "K8S_URL", "SOURCE_ALIASES", "SOURCE_NAMES", "Agent", "ContainerdWatch", "AwsSpot", "Azure", "Gce",
+    "K8S_TOKEN", "K8S_URL", "SOURCE_ALIASES", "SOURCE_NAMES", "Agent", "ContainerdWatch", "CriPods", "AwsSpot", "Azure", "Gce",
     "ImageStore", "KubeNode", "KubePods", "Local", "Notice", "Registry", "Source", "agent_dir", "check_job", "k8s_default_url",
     "kubernetes_sources", "local_source", "post_notice", "read_journal",
 ]

@@ -95,11 +95,14 @@ class CriClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, method: str, request: bytes, deadline_s: float, what: str) -> None:
+    def call(self, method: str, request: bytes, deadline_s: float, what: str) -> bytes:
+        """One unary call of runtime.v1.RuntimeService with a serialized request; its serialized
+        answer, or SnapguardError (snapguard-runc's own reason when containerd passes one on)."""
         grpc = self._grpc
         call = self.channel.unary_unary(_SERVICE + method, request_serializer=None, response_deserializer=None)
         try:
-            call(request, timeout=max(deadline_s, 0.001))
+            answer = call(request, timeout=max(deadline_s, 0.001))
+            return bytes(answer or b"")
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = " ".join(str(e.details() if hasattr(e, "details") else e).split())
@@ -116,11 +119,11 @@ class CriClient:
     def checkpoint(self, container_id: str, location: str, deadline_s: float) -> None:
         """CheckpointContainer as the kubelet sends it (the timeout field too; the call is bounded
         by the same deadline here, as the kubelet's CRI client bounds it)."""
-        self._call("CheckpointContainer", checkpoint_request(container_id, location, max(int(deadline_s), 1)),
+        self.call("CheckpointContainer", checkpoint_request(container_id, location, max(int(deadline_s), 1)),
                    deadline_s, f"CheckpointContainer {container_id[:13]}")
 
     def stop(self, container_id: str, deadline_s: float) -> None:
-        self._call("StopContainer", stop_request(container_id, 0), deadline_s, f"StopContainer {container_id[:13]}")
+        self.call("StopContainer", stop_request(container_id, 0), deadline_s, f"StopContainer {container_id[:13]}")
 
 
 def repository_for(prefix: str, job: str) -> str:

@@ -1,6 +1,11 @@
 """Sealed images to the image store (snapguard.store, optional): streamed while CRIU writes, or
 pushed whole after the seal, under the workload's fencing epoch; the job's older images pruned;
-an upload a killed agent began swept from the store."""
+an upload a killed agent began swept from the store.
+
+Each upload is bound by the notice's lead: what is left of the notice's deadline when it starts
+(at least `MIN_UPLOAD_S`) is the store's `deadline_s` for the whole push or stream, so that no
+upload runs on past the reclaim; a notice with no deadline leaves the store's own deadlines.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,14 @@ from typing import Any, Protocol
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._state import Registry, marked, safe_name
 
-__all__ = ["ImageStore", "Uploads"]
+__all__ = ["MIN_UPLOAD_S", "ImageStore", "Uploads", "left_of"]
+
+MIN_UPLOAD_S = 1.0
+
+
+def left_of(deadline: float | None) -> float | None:
+    """Seconds left to the notice's `deadline` (wall clock), at least MIN_UPLOAD_S; None without one."""
+    return None if deadline is None else max(deadline - time.time(), MIN_UPLOAD_S)
 
 
 class ImageStore(Protocol):
@@ -30,14 +42,16 @@ def _push_epoch(store: Any, w: dict[str, Any]) -> int:
     return store.current_epoch(w["job"]) if epoch is None else int(epoch)
 
 
-def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, progress: Callable[..., Any]) -> Any:
+def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, progress: Callable[..., Any],
+         deadline_s: float | None = None) -> Any:
     """Put a sealed image through whichever face the store has: `put_image(dir, job, name,
     progress)` (the ImageStore protocol) or snapguard.store's `push(dir, job, name=, epoch=,
-    progress=Progress)` under the workload's fencing epoch (`_push_epoch`)."""
+    progress=Progress, deadline_s=)` under the workload's fencing epoch (`_push_epoch`), within
+    `deadline_s`."""
     if hasattr(store, "put_image"):
         return store.put_image(image, w["job"], name, progress=progress)
     ref = store.push(image, w["job"], name=name, epoch=_push_epoch(store, w),
-                     progress=store_mod.Progress(callback=lambda state: progress(state)))
+                     progress=store_mod.Progress(callback=lambda state: progress(state)), deadline_s=deadline_s)
     return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
 
 
@@ -119,10 +133,11 @@ class Uploads:
         self.journal("upload_swept", image=image, store=url, removed=removed)
         self.log(f"removed the unfinished upload of {name} from {url} ({removed} part(s))")
 
-    def start_stream(self, key: str, w: dict[str, Any], image: str, notice: str) -> Any:
+    def start_stream(self, key: str, w: dict[str, Any], image: str, notice: str,
+                     deadline: float | None = None) -> Any:
         """Start sending the image to the store while CRIU writes it (snapguard.store's
         StreamingPush); None when the store refuses or cannot be reached: the sealed image is then
-        pushed after the seal, as a restarted agent does."""
+        pushed after the seal, as a restarted agent does. It ends by the notice's `deadline`."""
         name = os.path.basename(image)
         try:
             from .. import store as store_mod
@@ -130,14 +145,15 @@ class Uploads:
             store = store_mod.open_store(str(self.store_url))
             epoch = _push_epoch(store, w)
             stream = store.stream(image, w["job"], name=name, epoch=epoch,
-                                  progress=store_mod.Progress(callback=self._progress_logger(name)))
+                                  progress=store_mod.Progress(callback=self._progress_logger(name)),
+                                  deadline_s=left_of(deadline))
         except Exception as e:
             f = failure_from(e)
             self.journal("stream_refused", key=key, image=image, notice=notice, record=f.to_dict())
             self.log(f"{name}: not streamed to {self.store_url} ({f.message}); pushing after the seal")
             return None
         self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url, streaming=True,
-                     epoch=epoch)
+                     epoch=epoch, deadline=deadline)
         return stream
 
     def finish_stream(self, key: str, w: dict[str, Any], image: str, stream: Any, start: float, notice: str) -> None:
@@ -183,8 +199,9 @@ class Uploads:
                      f"{state['rate_bps'] / 2**20:.0f} MiB/s{eta}")
         return report
 
-    def upload(self, key: str, w: dict[str, Any]) -> None:
-        """Push the sealed image `w["image"]` whole (never one without its completion marker)."""
+    def upload(self, key: str, w: dict[str, Any], deadline: float | None = None) -> None:
+        """Push the sealed image `w["image"]` whole (never one without its completion marker), by
+        the notice's `deadline` (wall clock; None: the store's own deadlines)."""
         image = w["image"]
         name = os.path.basename(image)
         if not marked(image):  # never upload what is not whole
@@ -201,7 +218,7 @@ class Uploads:
             self.journal("upload_skipped", key=key, image=image, notice=notice, record=failure.to_dict())
             self.log(failure.message)
             return
-        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url)
+        self.journal("upload_started", key=key, image=image, notice=notice, store=self.store_url, deadline=deadline)
         last = [0.0]
 
         def progress(*args: Any, **kw: Any) -> None:
@@ -212,7 +229,7 @@ class Uploads:
         start = time.monotonic()
         try:
             store = store_mod.open_store(self.store_url)
-            out = _put(store_mod, store, image, w, name, progress)
+            out = _put(store_mod, store, image, w, name, progress, left_of(deadline))
         except Exception as e:
             self.failed(key, image, e, notice)
             return

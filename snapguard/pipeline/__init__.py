@@ -37,24 +37,31 @@ from ._remote import pull_image as pull_image
 from ._remote import push_image as push_image
 from ._remote import restore_from as restore_from
 from ._remote import run_fenced as run_fenced
+from ._podfence import PodFence as PodFence
+from ._podfence import pod_fence as pod_fence
+from ._podfence import run_pod_fenced as run_pod_fenced
 
-__all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "CriuRunner", "Fetched", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
-           "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pull_image", "push_image", "restore", "restore_from", "restore_images", "run_fenced",
+__all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "CriuRunner", "Fetched", "PodFence", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
+           "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pod_fence", "pull_image", "push_image", "restore", "restore_from", "restore_images", "run_fenced", "run_pod_fenced",
            "write_record"]
 
 
 def checkpoint_pid(pid: int, images: str, config: Config, *, leave_running: bool = False,
                    tcp_established: bool = False, take_wait_s: float | None = None,
-                   host_checks: HostChecks | None = None) -> dict[str, Any]:
-    """Snapshot the bare process tree rooted at pid into `images` (`host_checks`: see checkpoint)."""
+                   host_checks: HostChecks | None = None, at_step: int | None = None) -> dict[str, Any]:
+    """Snapshot the bare process tree rooted at pid into `images` (`host_checks`: see checkpoint;
+    `at_step`: its trainers held at the end of that optimizer step, as every node of a job is)."""
     req = Request(images, leave_running=leave_running, tcp_established=tcp_established,
-                  timeouts=Timeouts.from_config(config, take_wait_s))
+                  timeouts=Timeouts.from_config(config, take_wait_s), at_step=at_step)
     return checkpoint(CriuRunner(config.criu, pid), req, config, host_checks=host_checks)
 
 
-def restore_images(images: str, config: Config, *, tcp_established: bool = False) -> dict[str, Any]:
-    """Restore a bare process tree from `images`, detached."""
-    req = Request(images, tcp_established=tcp_established, timeouts=Timeouts.from_config(config))
+def restore_images(images: str, config: Config, *, tcp_established: bool = False,
+                   rendezvous: str | None = None) -> dict[str, Any]:
+    """Restore a bare process tree from `images`, detached (`rendezvous`: HOST:PORT its trainers'
+    process groups rebuild their store at)."""
+    req = Request(images, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
+                  rendezvous=rendezvous)
     return restore(CriuRunner(config.criu), req, config)
 
 

@@ -10,6 +10,7 @@ one is skipped, logged, and the next older one is used.
 
     record_published(store, PublishedImage(...))
     newest_published(store, job) -> PublishedImage | None
+    newest_file_checkpoint_time(store, job) -> float | None   when its newest file checkpoint was registered
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..reasons import Reason, SnapguardError
 from . import _fencing, _json
 from ._records import check_name
 
-__all__ = ["PUBLISHED", "PublishedImage", "newest_published", "record_published"]
+__all__ = ["PUBLISHED", "PublishedImage", "newest_file_checkpoint_time", "newest_published", "record_published"]
 
 _DIGEST = "^sha256:[0-9a-f]{64}$"
 PUBLISHED: dict[str, Any] = {
@@ -106,3 +107,29 @@ def newest_published(store: Any, job: str) -> PublishedImage | None:
             continue
         return PublishedImage(**{k: record[k] for k in record if k in PublishedImage.__dataclass_fields__})
     return None
+
+
+def _name_time(name: str) -> float | None:
+    """The time in a record's name (snapguard.store._records.new_image_name: %Y%m%dT%H%M%S.uuuuuuZ)."""
+    import calendar
+    import time
+
+    m = re.match(r"(\d{8}T\d{6})\.(\d{6})Z", name)
+    if not m:
+        return None
+    try:
+        return calendar.timegm(time.strptime(m.group(1), "%Y%m%dT%H%M%S")) + int(m.group(2)) / 1e6
+    except ValueError:
+        return None
+
+
+def newest_file_checkpoint_time(store: Any, job: str) -> float | None:
+    """When the job's newest file checkpoint was registered (epoch seconds), None when it has
+    none that the store's own check of the records accepts: a record's name is the time it was
+    registered (the store names records so that they sort by time)."""
+    prefix = f"{check_name('job', job)}/file-checkpoints/"
+    if store.newest_file_checkpoint(job) is None:
+        return None
+    known = [t for t in (_name_time(k[len(prefix):]) for k in store._list(prefix) if k.endswith(".json"))
+             if t is not None]
+    return max(known) if known else None

@@ -74,26 +74,12 @@ PublishedLookup = Callable[[Any, str], "CheckpointImage | None"]
 FileCheckpointTime = Callable[[Any, str], "float | None"]
 
 
-def _name_time(name: str) -> float | None:
-    """The time in a store name (store._records.new_image_name: %Y%m%dT%H%M%S.uuuuuuZ)."""
-    import calendar
-    import time
-
-    m = re.match(r"(\d{8}T\d{6})\.(\d{6})Z", name)
-    if not m:
-        return None
-    return calendar.timegm(time.strptime(m.group(1), "%Y%m%dT%H%M%S")) + int(m.group(2)) / 1e6
-
-
 def file_checkpoint_time(store: Any, job: str) -> float | None:
-    """When the job's newest file checkpoint was registered: its record's name is the time it
-    was registered (the store names records so that they sort by time)."""
-    prefix = f"{job}/file-checkpoints/"
-    if store.newest_file_checkpoint(job) is None:  # the store's own check of the records
-        return None
-    times = [_name_time(k[len(prefix):]) for k in store._list(prefix) if k.endswith(".json")]
-    known = [t for t in times if t is not None]
-    return max(known) if known else None
+    """When the job's newest file checkpoint was registered (snapguard.store's
+    newest_file_checkpoint_time)."""
+    from ..store import newest_file_checkpoint_time
+
+    return newest_file_checkpoint_time(store, job)
 
 
 class StoreSnapshots:

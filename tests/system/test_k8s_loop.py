@@ -4,14 +4,22 @@ directories and network namespaces; the agent's push runs in node A's; the runti
 docker-registry on loopback) and a file:// store.
 
 Node A: a counter pod opted in (RuntimeClass `snapguard`: the sandbox's runtime handler; the
-annotation snapguard.io/job). The agent's step, snapguard.notice._cri.snapshot_pod: CRI
-CheckpointContainer (snapguard-runc checkpoints and seals), StopContainer, the archive made an OCI
-checkpoint image, pushed, digest-checked, recorded in the job's store entry with its epoch.
+annotation snapguard.io/job). `snapguard agent --once --cri-socket --registry --store` in node A's
+network namespace, with a notice in its inbox (`snapguard notice --queue --lead`): it finds the pod
+itself through CRI (ListPodSandbox, ListContainers), schedules it as kind `pod`, and its step,
+snapguard.notice._cri.snapshot_pod, runs within the notice's lead: CRI CheckpointContainer
+(snapguard-runc checkpoints and seals), StopContainer, the archive made an OCI checkpoint image,
+pushed, digest-checked, recorded in the job's store entry with its epoch. Nobody calls
+snapshot_pod by hand.
 
 Node B: what the kubelet does for the replacement pod whose container's image is that reference
 by digest: PullImage, RunPodSandbox, CreateContainer, StartContainer. containerd sees the
 checkpoint annotation and restores through snapguard-runc (verification of the seal, CRIU); the
-counter goes on from its last archived line. No kubelet runs: snapguard_lab.cri makes its calls.
+counter goes on from its last archived line. The pod carries the webhook's snapguard.io/epoch
+(the image's + 1), which reaches the container's spec through the runtime's pod_annotations:
+snapguard-runc takes it in the store (SNAPGUARD_STORE of node B's containerd) right before runc's
+restore, and a second replacement pod under the same epoch is refused ALREADY_RESTORED, nothing
+started. No kubelet runs: snapguard_lab.cri makes its calls.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -37,9 +47,10 @@ import pytest
 
 from snapguard import ocicheckpoint
 from snapguard.notice._cri import checkpoint_request, snapshot_pod, stop_request
+from snapguard.notice._cripods import decode, list_containers_request, list_sandboxes_request
 from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import PublishedImage, newest_published, open_store, record_published
-from snapguard_lab.cri import CounterRows, api, counter_rows
+from snapguard_lab.cri import CounterRows, api, counter_rows, wait_rows
 from snapguard_lab.k8s_nodes import Node, TwoNodes
 from snapguard_lab.testbed import compat_missing
 
@@ -47,6 +58,7 @@ pytestmark = pytest.mark.stack
 
 JOB, NAMESPACE, NAME = "train-counter", "ml", "trainer"
 REPO = f"snapguard/ckpt/{JOB}"
+EXE = os.path.join(os.path.dirname(sys.executable), "snapguard")
 
 
 @pytest.fixture(scope="module")
@@ -74,28 +86,26 @@ class Pod:
     config: Any
 
 
-def _run_pod(node: Node, name: str) -> Pod:
-    """RunPodSandbox as the kubelet sends it for a pod of RuntimeClass `snapguard` (its handler)."""
+def _run_pod(node: Node, name: str, job: str | None = JOB, epoch: int | None = None) -> Pod:
+    """RunPodSandbox as the kubelet sends it for a pod of RuntimeClass `snapguard` (its handler);
+    `epoch`: the snapguard.io/epoch the webhook recorded on the replacement pod."""
     uid = str(uuid.uuid4())
     logs = node.containerd.workdir.parent / "pods" / f"{NAMESPACE}_{name}_{uid}"
     logs.mkdir(parents=True)
     config = node.cri.sandbox_config(name, NAMESPACE, uid, str(logs))
-    config.annotations["snapguard.io/job"] = JOB
+    if job is not None:
+        config.annotations["snapguard.io/job"] = job
+    if epoch is not None:
+        config.annotations["snapguard.io/epoch"] = str(epoch)
     return Pod(node.cri.run_sandbox(config), config)
 
 
 def _rows(node: Node, cid: str) -> CounterRows:
-    return counter_rows(node.cri.exec_sync(cid, ["cat", "/out/counter.log"]).decode())
+    return wait_rows(node.cri, cid, 0)
 
 
 def _wait_rows(node: Node, cid: str, count: int, timeout: float = 20.0) -> CounterRows:
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = _rows(node, cid)
-        if len(rows.rows) >= count or time.monotonic() > deadline:
-            assert len(rows.rows) >= count, f"{cid[:13]}: {len(rows.rows)} lines, waited for {count}"
-            return rows
-        time.sleep(0.1)
+    return wait_rows(node.cri, cid, count, timeout)
 
 
 def _registry_get(nodes: TwoNodes, path: str, accept: str = "") -> tuple[bytes, Any]:
@@ -115,30 +125,45 @@ class Published:
     layer: bytes  # the archive, as the registry serves it
     archived: CounterRows  # /out/counter.log as the layer's rootfs-diff.tar holds it
     store: Any
-
+    journal: list[dict[str, Any]]  # the agent's
+    agent_dir: Path
+    bystander: str  # a running container of a pod not opted in, on node A
 
 @pytest.fixture(scope="module")
 def published(nodes: TwoNodes, tmp_path_factory: pytest.TempPathFactory) -> Published:
     a = nodes["a"]
     a.cri.pull(nodes.counter_image)
+    other = _run_pod(a, "bystander-0", job=None)  # not opted in: the agent leaves it alone
+    bystander = a.cri.create(other.id, other.config, a.cri.container_config("web", nodes.counter_image, other.config))
+    a.cri.start(bystander)
     pod = _run_pod(a, "trainer-0")
     cid = a.cri.create(pod.id, pod.config, a.cri.container_config(NAME, nodes.counter_image, pod.config))
     a.cri.start(cid)
     _wait_rows(a, cid, 20)
-    store_dir = tmp_path_factory.mktemp("store")
-    store = open_store(f"file://{store_dir}")
+    store = open_store(nodes.store_url)  # SNAPGUARD_STORE of both nodes' snapguard-runc
+    agent_state = a.state_dir.parent / "agent-state"
+    agent_state.mkdir(mode=0o700)
+    env = {**os.environ, "SNAPGUARD_CONFIG": nodes.config_file, "SNAPGUARD_STATE_DIR": str(agent_state)}
+    posted = subprocess.run([EXE, "notice", "--queue", "--lead", "60", "--reason", "spot"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert posted.returncode == 0, posted.stderr
     t0 = time.monotonic()
-    image = nodes.in_node("a", lambda: snapshot_pod(
-        cri_socket=a.containerd.socket, container_id=cid, job=JOB, store=store, epoch=store.current_epoch(JOB),
-        registry_url=f"http://{nodes.host}", repository=REPO, workdir=str(a.state_dir / "cri"), deadline_s=60))
+    agent = subprocess.run([EXE, "agent", "--once", "--host-checks-every", "0", "--cri-socket", a.containerd.socket,
+                            "--registry", f"http://{nodes.host}", "--store", nodes.store_url],
+                           env=env, capture_output=True, text=True, timeout=120, preexec_fn=nodes.net.enter("a"))
     seconds = time.monotonic() - t0
+    assert agent.returncode == 0, agent.stderr
+    journal = [json.loads(x) for x in (agent_state / "agent" / "journal.jsonl").read_text().splitlines()]
+    image = newest_published(store, JOB)
+    assert image is not None, agent.stderr
     manifest, _ = _registry_get(nodes, f"/v2/{REPO}/manifests/{image.digest}", ocicheckpoint._image.MT_MANIFEST)
     layer, _ = _registry_get(nodes, f"/v2/{REPO}/blobs/{json.loads(manifest)['layers'][0]['digest']}")
     with tarfile.open(fileobj=io.BytesIO(layer)) as tf:
         diff = tf.extractfile("rootfs-diff.tar").read()  # type: ignore[union-attr]
     with tarfile.open(fileobj=io.BytesIO(diff)) as tf:
         archived = counter_rows(tf.extractfile("out/counter.log").read().decode())  # type: ignore[union-attr]
-    return Published(image, seconds, cid, a.cri.state(cid), manifest, layer, archived, store)
+    return Published(image, seconds, cid, a.cri.state(cid), manifest, layer, archived, store, journal,
+                     agent_state / "agent", bystander)
 
 
 @dataclass
@@ -152,11 +177,12 @@ class Restored:
 
 @pytest.fixture(scope="module")
 def restored(nodes: TwoNodes, published: Published) -> Restored:
-    """Node B, the replacement pod: the kubelet's calls from its spec (image: the reference by digest)."""
+    """Node B, the replacement pod: the kubelet's calls from its spec (image: the reference by
+    digest; the annotation snapguard.io/epoch the webhook recorded, the image's epoch + 1)."""
     b = nodes["b"]
     t0 = time.monotonic()
     b.cri.pull(published.image.reference)
-    pod = _run_pod(b, "trainer-0")
+    pod = _run_pod(b, "trainer-0", epoch=published.image.epoch + 1)
     config = b.cri.container_config(NAME, published.image.reference, pod.config)
     config.image.user_specified_image = published.image.reference  # the kubelet's: the pod spec's image
     rid = b.cri.create(pod.id, pod.config, config)
@@ -195,8 +221,33 @@ def test_snapshot_is_an_oci_checkpoint_image_recorded_with_digest_and_epoch(
     assert p.state_after == "CONTAINER_EXITED"
     assert p.archived.rows and p.archived.chain_errors() == []
     # the agent's working archive is gone; nothing else left in its directory
-    assert os.listdir(nodes["a"].state_dir / "cri") == []
+    assert os.listdir(p.agent_dir / "cri") == []
     assert p.seconds < 30, p.seconds
+
+
+def test_agent_finds_the_opted_in_pod_through_cri_and_publishes_within_the_lead(
+        nodes: TwoNodes, published: Published) -> None:
+    """The agent alone: the pod found through CRI (the pod not opted in left running), scheduled as
+    kind `pod` within the notice's 60 s lead, published and journalled."""
+    events = {e["event"]: e for e in published.journal}
+    key = f"pod:{published.container_id}"
+    assert events["protected"]["key"] == key and events["protected"]["source"] == "cri"
+    (planned,) = events["schedule"]["order"]
+    assert (planned["key"], planned["kind"], planned["job"]) == (key, "pod", JOB)
+    assert planned["deadline"] == events["noticed"]["deadline"] and 0 < events["noticed"]["lead_s"] <= 60
+    assert events["published"]["digest"] == published.image.digest and events["published"]["epoch"] == 0
+    assert events["schedule_done"]["fit"] == [key] and events["schedule_done"]["fell_back"] == {}
+    assert nodes["a"].cri.state(published.bystander) == "CONTAINER_RUNNING"
+    # the two list requests are the bytes the CRI stubs make, and their answers decode the same
+    pb, _ = api()
+    assert list_sandboxes_request() == pb.ListPodSandboxRequest(filter=pb.PodSandboxFilter(
+        state=pb.PodSandboxStateValue(state=pb.SANDBOX_READY))).SerializeToString()
+    assert list_containers_request() == pb.ListContainersRequest(filter=pb.ContainerFilter(
+        state=pb.ContainerStateValue(state=pb.CONTAINER_RUNNING))).SerializeToString()
+    sandbox = pb.PodSandbox(id="x", runtime_handler="snapguard", annotations={"snapguard.io/job": JOB},
+                            metadata=pb.PodSandboxMetadata(name="p", namespace="ns"))
+    fields = decode(pb.ListPodSandboxResponse(items=[sandbox]).SerializeToString())
+    assert decode(fields[1][0])[7] == [b"snapguard"]
 
 
 def test_replacement_pod_on_node_b_restores_from_the_image_and_continues_exactly(
@@ -217,6 +268,28 @@ def test_replacement_pod_on_node_b_restores_from_the_image_and_continues_exactly
     log = (b.containerd.root / "io.containerd.runtime.v2.task" / "k8s.io" / restored.container_id / "restore.log")
     assert f"Parsing config file {b.state_dir}/run-" in log.read_text(errors="replace")[:4096]
     assert restored.seconds < 30, restored.seconds
+    # the restore took the webhook's epoch in the store, the last step before runc's restore
+    assert published.store.current_epoch(JOB) == published.image.epoch + 1
+
+
+def test_second_replacement_under_the_older_epoch_is_refused_and_nothing_starts(
+        nodes: TwoNodes, published: Published, restored: Restored) -> None:
+    """A second replacement pod of the same job, admitted under the same (now older) epoch:
+    StartContainer fails with snapguard's ALREADY_RESTORED, nothing runs, the job's epoch stays."""
+    b = nodes["b"]
+    pod = _run_pod(b, "trainer-0-twin", epoch=published.image.epoch + 1)
+    config = b.cri.container_config(NAME, published.image.reference, pod.config)
+    rid = b.cri.create(pod.id, pod.config, config)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            b.cri.start(rid)
+        message = refused.value.details()
+        assert "snapguard ALREADY_RESTORED: " in message and "\n" not in message, message
+        assert b.cri.state(rid) != "CONTAINER_RUNNING"
+        assert published.store.current_epoch(JOB) == published.image.epoch + 1
+        assert b.cri.state(restored.container_id) == "CONTAINER_RUNNING"
+    finally:
+        b.cri.stop_and_remove(rid)
 
 
 def test_tampered_layer_is_refused_at_start_as_one_typed_line(
@@ -240,8 +313,8 @@ def test_tampered_layer_is_refused_at_start_as_one_typed_line(
     pushed = nodes.in_node("a", lambda: ocicheckpoint.push_image(image, f"http://{nodes.host}", REPO, "tampered",
                                                                  deadline_s=30))
     b.cri.pull(pushed.reference)
-    rid = b.cri.create(restored.pod.id, restored.pod.config,
-                       b.cri.container_config("tampered", pushed.reference, restored.pod.config))
+    pod = _run_pod(b, "trainer-tampered")
+    rid = b.cri.create(pod.id, pod.config, b.cri.container_config("tampered", pushed.reference, pod.config))
     try:
         with pytest.raises(grpc.RpcError) as refused:
             b.cri.start(rid)
@@ -304,10 +377,10 @@ def test_wrong_digest_and_stalled_registry_are_refused_typed_and_nothing_recorde
     assert newest_published(published.store, JOB) == published.image
 
 
-def test_late_record_from_the_old_node_is_fenced(published: Published) -> None:
-    """Once a restore took the job's next epoch, node A's record under the old one is refused."""
+def test_late_record_from_the_old_node_is_fenced(published: Published, restored: Restored) -> None:
+    """Once node B's restore took the job's next epoch, node A's record under the old one is refused."""
     store = published.store
-    taken = store.take_epoch(JOB, expect=published.image.epoch)
+    taken = store.current_epoch(JOB)
     late = PublishedImage(JOB, published.image.epoch, published.image.reference.replace(
         published.image.digest, "sha256:" + "1" * 64), "sha256:" + "1" * 64)
     with pytest.raises(SnapguardError) as fenced:

@@ -29,7 +29,7 @@ import pytest
 
 from snapguard.image import verify
 from snapguard.names import MANIFEST_NAME, MARKER_NAME, RESULT_NAME
-from snapguard_lab.cri import COUNTER_REPO, CounterRows, CriLab, counter_rows
+from snapguard_lab.cri import COUNTER_REPO, CounterRows, CriLab, counter_rows, wait_rows
 from snapguard_lab.testbed import CONTAINERD_UMASK, compat_missing
 
 pytestmark = pytest.mark.stack
@@ -87,17 +87,12 @@ def _location(pod: Pod, container: str) -> str:
 
 def _rows(lab: CriLab, container_id: str) -> CounterRows:
     assert lab.cri is not None
-    return counter_rows(lab.cri.exec_sync(container_id, ["cat", "/out/counter.log"]).decode())
+    return wait_rows(lab.cri, container_id, 0)
 
 
 def _wait_rows(lab: CriLab, container_id: str, count: int, timeout: float = 20.0) -> CounterRows:
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = _rows(lab, container_id)
-        if len(rows.rows) >= count or time.monotonic() > deadline:
-            assert len(rows.rows) >= count, f"{container_id[:13]}: {len(rows.rows)} lines, waited for {count}"
-            return rows
-        time.sleep(0.1)
+    assert lab.cri is not None
+    return wait_rows(lab.cri, container_id, count, timeout)
 
 
 def _start_counter(lab: CriLab, pod: Pod, name: str) -> str:

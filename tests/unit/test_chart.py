@@ -123,6 +123,7 @@ def test_the_agent_daemonset() -> None:
     args = build_parser().parse_args(argv)  # every flag the chart passes is one the agent has
     assert args.command == "agent" and args.source == ["kubernetes"] and args.containerd
     assert args.k8s_node == "node-1" and not args.notice_on_cordon
+    assert args.cri_socket is None and args.registry is None  # the CRI path: off until a registry is set
     # host mode: the token and CA as the kubelet keeps the pod's projected volume on the host
     assert args.k8s_token_file == "/var/lib/kubelet/pods/uid/volumes/kubernetes.io~projected/snapguard-api/token"
     assert {v["name"] for v in pod["volumes"]} == {"snapguard-api"}
@@ -132,6 +133,16 @@ def test_the_agent_daemonset() -> None:
     (metrics,) = [c for c in pod["containers"] if c["name"] == "metrics"]
     m = build_parser().parse_args(_snapguard_argv(metrics))
     assert m.command == "metrics" and m.textfile == "/var/lib/prometheus/node-exporter"
+
+
+def test_the_agent_takes_the_cri_path_with_a_registry_and_a_store() -> None:
+    sets = ["agent.cri.registry=https://registry.example:5000", "store.url=s3://snaps/ckpt"]
+    (agent,) = [c for c in _pod(_render(sets), "DaemonSet")["containers"] if c["name"] == "agent"]
+    args = build_parser().parse_args(_snapguard_argv(agent))
+    assert (args.cri_socket, args.registry, args.registry_repository, args.store) == (
+        "/run/containerd/containerd.sock", "https://registry.example:5000", "snapguard/ckpt", "s3://snaps/ckpt")
+    out = _helm("template", "sg", str(CHART), "--namespace", NS, "--set", sets[0])
+    assert out.returncode != 0 and "set store.url" in out.stderr, out.stderr
 
 
 def test_the_agent_from_the_image_mounts_its_host_paths() -> None:
@@ -272,6 +283,7 @@ def test_the_runtime_class_and_the_namespace() -> None:
     ("agent.keep=0", "/agent/keep"),
     ("webhook.tls.mode=secret", "/webhook/tls"),
     ("agent.privilegd=true", "privilegd"),
+    ("agent.cri.registry=registry.example", "/agent/cri/registry"),
 ], ids=lambda v: v.split("=")[0] if "=" in v else "")
 def test_the_values_schema_refuses_a_bad_value(bad: str, where: str) -> None:
     out = _helm("template", "sg", str(CHART), "--namespace", NS, "--set", bad)
