@@ -1,5 +1,5 @@
 """Reclaim recovery on the GPU machine: a notice -> the agent's stopping snapshot streamed into an
-image store -> `snapguard restore --from` on "another node", bit for bit against an uninterrupted run.
+image store -> `snapguard restore --store` on "another node", bit for bit against an uninterrupted run.
 
 Two nodes on one machine: node A (state /run/sg-a, the agent, its images) and node B (state
 /run/sg-b, the pulled image). snapguard's state directory is /run/snapguard, a tmpfs on a systemd
@@ -146,7 +146,7 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, s
         last_before = run.rows()[-1][0]
         dropped = drop_caches() if cold else 0.0
         t_restore = time.time()
-        argv = [exe("snapguard"), "restore", "--from", store_url, "--job", JOB, "--json"]
+        argv = [exe("snapguard"), "restore", "--store", store_url, "--job", JOB, "--json"]
         if remap:
             argv += ["--device-map", "0=1"]
         rs = subprocess.run(argv, env=node_env(NODE_B), capture_output=True, text=True, timeout=300)

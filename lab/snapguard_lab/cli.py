@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from typing import NoReturn
@@ -26,8 +27,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(_usage_error(f"{message} (see {self.prog} --help)"))
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=(
+def _parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=(
         "The lab of snapguard, the guarded runc executor: drills that snapshot real workloads through "
         "snapguard and show they continued where they stopped. Installed apart from the product "
         "(`snapguard` never imports it); its example workloads are package data."))
@@ -44,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--workload", choices=("counter", "torch"), default="counter",
                     help="counter: the CPU container drill (default); torch: snapshots of a live PyTorch "
                          "trainer on the GPU, compared bit for bit with an uninterrupted run")
-    dr.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    dr.add_argument("--json", nargs="?", const=True, default=None, metavar="PATH",
+                    help="the results as JSON: into --out PATH, else on stdout at the end (`--json PATH`, "
+                         "without --out, is the old spelling of `--json --out PATH`)")
+    dr.add_argument("--out", metavar="PATH", help="write the results as JSON to PATH")
     dr.add_argument("--workdir", metavar="DIR", help="keep containerd's root and the images here")
     dr.add_argument("--steps", type=int, default=200, help="torch: training steps per run (default 200)")
     dr.add_argument("--at", type=int, default=80, help="torch: snapshot after this step (default 80)")
@@ -117,6 +121,30 @@ def _goodput(args: argparse.Namespace) -> int:
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
+    """--json [--out PATH]: the drills write their results into one file (args.json becomes its
+    path); with --json alone a temporary one, printed on stdout at the end."""
+    if isinstance(args.json, str):
+        print(f"{PROG}: `drill --json PATH` is deprecated, use `--json --out PATH`", file=sys.stderr)
+        if args.out:
+            return _usage_error("--json PATH and --out PATH: give the path once, to --out")
+        args.out = args.json
+    to_stdout = bool(args.json) and not args.out
+    if to_stdout:
+        fd, args.out = tempfile.mkstemp(prefix="snapguard-drill-", suffix=".json")
+        os.close(fd)
+    args.json = args.out
+    try:
+        code = _run_drill(args)
+        if to_stdout and os.path.getsize(args.out):
+            with open(args.out, encoding="utf-8") as f:
+                sys.stdout.write(f.read())
+        return code
+    finally:
+        if to_stdout:
+            os.unlink(args.out)
+
+
+def _run_drill(args: argparse.Namespace) -> int:
     if args.workload == "torch" and args.arms.strip() == "goodput":
         return _goodput(args)
     if args.workload == "torch":
@@ -140,7 +168,11 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = PROG
+    if argv[:1] and argv[0].startswith("--prog="):  # `snapguard drill` hands over as itself
+        prog = argv.pop(0)[len("--prog="):] or PROG
+    args = _parser(prog).parse_args(argv)
     from snapguard.config import ConfigError
 
     try:

@@ -15,8 +15,8 @@ import sys
 
 from .. import __version__
 from ..reasons import failure_from
-from . import (agent, checkpoint, drill, install, metrics, notice, plan, preflight, protect, prune, pull, push,
-               reasons, restore, webhook)
+from . import (agent, checkpoint, completion, drill, images, inspect, install, metrics, notice, plan, preflight,
+               protect, prune, pull, push, reasons, restore, webhook)
 from ._base import EXIT_USAGE, Parser, exit_code
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "main"]
@@ -24,8 +24,8 @@ __all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "main"]
 # In the order `snapguard --help` lists them.
 COMMANDS = {"preflight": preflight, "checkpoint": checkpoint, "restore": restore, "reasons": reasons,
             "drill": drill, "plan": plan, "install": install, "metrics": metrics, "push": push, "pull": pull,
-            "prune": prune, "agent": agent, "notice": notice, "protect": protect,
-            "webhook": webhook}
+            "prune": prune, "images": images, "inspect": inspect, "agent": agent, "notice": notice, "protect": protect,
+            "webhook": webhook, "completion": completion}
 
 
 def build_parser() -> argparse.ArgumentParser:

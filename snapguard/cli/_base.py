@@ -12,18 +12,49 @@ from typing import Any, NoReturn
 from ..config import ConfigError
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 
-__all__ = ["EXIT_FALLBACK", "EXIT_USAGE", "STORE_EPILOG", "Parser", "capabilities", "exit_code",
+__all__ = ["EXIT_FALLBACK", "EXIT_USAGE", "STORE_EPILOG", "Deprecated", "Parser", "capabilities", "exit_code",
+           "need_store", "store_flag",
            "positive_seconds", "print_result", "progress", "root_only", "seconds", "seconds_or_off",
            "snapshot", "store_failure", "unchecked_report", "write_record"]
 
 EXIT_USAGE = 2
-EXIT_FALLBACK = 3  # restore --from refused and the job has a file checkpoint: its path is on stdout
+EXIT_FALLBACK = 3  # restore --store refused and the job has a file checkpoint: its path is on stdout
 
 STORE_EPILOG = """\
 store URLs: file:///shared/dir (a directory every node mounts) or s3://bucket/prefix (boto3, the
 `s3` extra; endpoint from $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL_S3, keys from boto3's usual chain).
 An image counts in a store only once its completion marker, put last, is there.
 """
+
+
+class Deprecated(argparse.Action):
+    """An old spelling kept for a release: hidden from --help, stores into the new flag's dest
+    and says once on stderr which flag replaces it."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kw: Any) -> None:
+        kw.setdefault("help", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"snapguard: {option_string} is deprecated, use {self.new} (the old spelling goes in a later "
+              "release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def store_flag(parser: argparse.ArgumentParser, old: str, *, required: bool, help: str = "the store") -> None:
+    """--store URL, with the command's old spelling `old` (--to, --from) as a hidden alias."""
+    # a required flag with an alias is checked after parsing (need_store), so either spelling counts
+    parser.add_argument("--store", dest="store", metavar="URL", help=help + (" (required)" if required else ""))
+    parser.add_argument(old, dest="store", action=Deprecated, new="--store", metavar="URL")
+
+
+def need_store(args: argparse.Namespace, command: str) -> str:
+    """The --store a command requires (USAGE_ERROR without it)."""
+    if not getattr(args, "store", None):
+        raise SnapguardError(Reason.USAGE_ERROR, f"{command} needs --store URL")
+    return str(args.store)
 
 
 class Parser(argparse.ArgumentParser):

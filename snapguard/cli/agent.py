@@ -42,6 +42,12 @@ is refused is journaled (notice_refused, with its typed reason) and the next one
 
 On a notice the agent takes one stopping snapshot of each workload `snapguard protect` registered,
 into --images (a private local directory), then, with --store URL, puts it into the image store.
+With --cri-socket and --registry (the kubelet's path), the node's opted-in pods (RuntimeClass
+handler `snapguard`, annotation snapguard.io/job) are found through CRI (ListPodSandbox,
+ListContainers) and each is checkpointed through CRI CheckpointContainer, stopped, pushed as an OCI
+checkpoint image to PREFIX/JOB and recorded in --store, all within the notice's lead; the
+webhook points the job's replacement pod at that image. All of a node's snapshots run at once,
+shortest first; the uploads are bound by the notice's lead too.
 A notice seen twice is acted on once; the journal in <state_dir>/agent/journal.jsonl records every
 step, and a restarted agent discards an image left without its completion marker.
 
@@ -71,6 +77,11 @@ def add_parser(sub: Any) -> None:
     ag.add_argument("--textfile", metavar="DIR", help="write snapguard_agent_store_writable (1 when the store took "
                     "a probe write at start) to DIR/snapguard-agent.prom for node-exporter's textfile collector "
                     "(default <state_dir>/agent/snapguard-agent.prom)")
+    ag.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                    help="serve the node's operations metrics (snapguard_snapshots_total, ...; extra `metrics`) "
+                    "in Prometheus' text format at http://ADDRESS:PORT/metrics (default: not served)")
+    ag.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                    help="the address --metrics-port listens on (default 127.0.0.1, loopback)")
     ag.add_argument("--images", metavar="DIR", help="where images are written (default <state_dir>/agent/images; "
                                                       "the state dir is often tmpfs: give a disk for large images)")
     ag.add_argument("--interval", type=interval_seconds, default=5.0, metavar="S",
@@ -94,6 +105,16 @@ def add_parser(sub: Any) -> None:
                     help=f"runc's root of containerd's shim; the namespace is appended (default {DEFAULT_RUNC_ROOT})")
     ag.add_argument("--ctr", default=DEFAULT_CTR, metavar="PATH",
                     help=f"containerd's ctr client, root's alone (default {DEFAULT_CTR})")
+    ag.add_argument("--cri-socket", metavar="PATH",
+                    help="the CRI path: list this node's opted-in pods (RuntimeClass handler `snapguard`, annotation "
+                         "snapguard.io/job) on containerd's CRI socket PATH and, on a notice, take each one's stopping "
+                         "snapshot through CRI CheckpointContainer, published as an OCI checkpoint image to "
+                         "--registry and recorded in --store (e.g. /run/containerd/containerd.sock)")
+    ag.add_argument("--registry", metavar="URL",
+                    help="the registry the CRI path pushes checkpoint images to (http:// or https://HOST[:PORT]); "
+                         "needed with --cri-socket")
+    ag.add_argument("--registry-repository", default="snapguard/ckpt", metavar="PREFIX",
+                    help="the repository prefix of the checkpoint images: PREFIX/JOB (default snapguard/ckpt)")
     ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
     ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
     ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
@@ -119,6 +140,32 @@ def interval_seconds(text: str) -> float:
     if not 0.1 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"must be between 0.1 and 3600 seconds, not {text}")
     return value
+
+
+def port_number(text: str) -> int:
+    """--metrics-port: a TCP port, 1 to 65535."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1 to 65535), not {text}")
+    return int(text)
+
+
+def _serve_metrics(args: argparse.Namespace, state_dir: str) -> None:
+    """--metrics-port: the operations metrics served from this process, or USAGE_ERROR before
+    anything is watched (prometheus_client missing, an address that is not one, a port taken)."""
+    if args.metrics_port is None:
+        return
+    import ipaddress
+
+    from .. import metrics
+
+    try:
+        ipaddress.ip_address(args.metrics_address)
+        metrics.serve(args.metrics_port, args.metrics_address, state_dir)
+    except metrics.MetricsUnavailable as e:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--metrics-port: {e}") from None
+    except (ValueError, OSError) as e:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--metrics-port {args.metrics_port} on {args.metrics_address}: "
+                             f"cannot listen: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _check_store(url: str | None) -> None:
@@ -167,6 +214,34 @@ def _containerd(args: argparse.Namespace) -> Any:
                            args.containerd_runc_root)
 
 
+def _cri(args: argparse.Namespace) -> Any:
+    """--cri-socket/--registry: the CRI path, checked where it is given (USAGE_ERROR)."""
+    if not args.cri_socket:
+        if args.registry:
+            raise SnapguardError(Reason.USAGE_ERROR, "--registry is the CRI path's: give --cri-socket too")
+        return None
+    from urllib.parse import urlsplit
+
+    from ..notice import CriPods
+
+    if not os.path.isabs(args.cri_socket):
+        raise SnapguardError(Reason.USAGE_ERROR, f"--cri-socket {args.cri_socket!r} is not an absolute path")
+    if not args.registry:
+        raise SnapguardError(Reason.USAGE_ERROR, "--cri-socket publishes to a registry: give --registry URL")
+    url = urlsplit(args.registry)
+    if url.scheme not in ("http", "https") or not url.hostname or url.path.strip("/") or url.query:
+        raise SnapguardError(Reason.USAGE_ERROR, f"--registry {args.registry!r} is not http(s)://HOST[:PORT]")
+    if not args.store:
+        raise SnapguardError(Reason.USAGE_ERROR, "--cri-socket records each published image in the job's store "
+                             "entry: give --store URL")
+    prefix = args.registry_repository.strip("/")
+    if not all(part and part == part.lower() and part.replace("-", "").replace("_", "").replace(".", "").isalnum()
+               for part in prefix.split("/")):
+        raise SnapguardError(Reason.USAGE_ERROR, f"--registry-repository {args.registry_repository!r} is not an "
+                             "OCI repository name (lower-case letters, digits, '.', '_', '-', '/')")
+    return CriPods(args.cri_socket, args.registry.rstrip("/"), prefix)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..notice import Agent
 
@@ -174,9 +249,11 @@ def run(args: argparse.Namespace) -> int:
     if args.keep is not None and args.keep < 1:
         raise SnapguardError(Reason.USAGE_ERROR, f"--keep {args.keep}: keep at least the newest whole image")
     _check_store(args.store)
+    cri = _cri(args)
     config = load()
+    _serve_metrics(args, config.state_dir)
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
-                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args),
+                  log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args), cri=cri,
                   keep=args.keep, host_checks_every_s=args.host_checks_every or None,
                   metrics_path=os.path.join(os.path.abspath(args.textfile), "snapguard-agent.prom")
                   if args.textfile else None)

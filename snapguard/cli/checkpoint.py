@@ -37,11 +37,21 @@ def add_parser(sub: Any) -> None:
                     help="seconds to wait for the workload's step boundary (default: take_wait_s of the "
                          "config, 10); then go on without")
     ck.add_argument("--job", metavar="J", help="the job this tree runs: its fencing epoch on this node (taken by "
-                    "`restore --from`) is sealed into the manifest, so a stale node's push is refused")
+                    "`restore --store`) is sealed into the manifest, so a stale node's push is refused")
     ck.add_argument("--network-lock", choices=("auto", "iptables", "nftables", "skip"), default="auto",
                     help="how CRIU keeps the network still: auto (default) skips it when nothing outside the "
                          "tree can reach it, else iptables")
+    ck.add_argument("--at-step", type=_step, default=None, metavar="N",
+                    help="hold the tree's trainers at the end of optimizer step N (a step none has reached): "
+                         "give every node of a multi-node job the same N, so that all ranks stop together; "
+                         "default: two steps past the furthest rank of this tree")
     ck.add_argument("--json", action="store_true", help="print the result record as JSON")
+
+
+def _step(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 1 << 62:
+        raise argparse.ArgumentTypeError(f"not a step number: {text[:40]!r}")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     req = pipeline.Request(os.path.abspath(args.images), leave_running=args.leave_running,
                            tcp_established=args.tcp_established, network_lock=args.network_lock,
                            timeouts=pipeline.Timeouts.from_config(config, args.take_wait),
-                           fence_epoch=pipeline.node_epoch(config, args.job, "") if args.job else None)
+                           fence_epoch=pipeline.node_epoch(config, args.job, "") if args.job else None,
+                           at_step=args.at_step)
     runner = pipeline.CriuRunner(config.criu, args.pid)
     return snapshot(args, req.work_dir, lambda: pipeline.checkpoint(runner, req, config))

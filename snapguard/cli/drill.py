@@ -12,9 +12,13 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    sub.add_parser("drill", help="a real snapshot drill (runs snapguard-lab drill)", add_help=False,
-                        description="Hands over to `snapguard-lab drill` (the lab package, installed beside "
-                                    "snapguard by packaging/setup.sh); see `snapguard-lab drill --help`.")
+    sub.add_parser("drill", help="a real snapshot drill: snapshot a live workload through containerd, runc and "
+                        "CRIU and show it continued where it stopped", add_help=False,
+                        description="A real snapshot drill: a counter container (or a PyTorch trainer on the GPU) "
+                                    "snapshotted through containerd, snapguard-runc and CRIU, restored, and shown to "
+                                    "continue where it stopped; --json [--out PATH] gives the results. Run by the "
+                                    "lab package (installed beside snapguard by packaging/setup.sh): "
+                                    "`snapguard drill --help` lists its flags.")
 
 
 def run(lab_args: list[str]) -> int:
@@ -25,4 +29,4 @@ def run(lab_args: list[str]) -> int:
         print(f"snapguard USAGE_ERROR: the drills need snapguard-lab, not installed at {lab} "
               "(packaging/setup.sh installs it; or pip install ./lab)", file=sys.stderr)
         return EXIT_USAGE
-    os.execv(lab, [lab, "drill", *lab_args])
+    os.execv(lab, [lab, "--prog=snapguard", "drill", *lab_args])  # its --help says `usage: snapguard drill`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from ..config import load
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         w = registry.load()
         if args.json:
             print(json.dumps(w, indent=2, sort_keys=True))
+        elif not w:  # as kubectl's "No resources found": said, on stderr, and not a failure
+            print(f"snapguard protect: nothing is protected (the registry {registry.path} is empty)",
+                  file=sys.stderr)
         else:
             for key, e in sorted(w.items()):
                 print(f"{key}\tjob {e.get('job')}\t{e.get('state')}\t{e.get('image') or ''}".rstrip())

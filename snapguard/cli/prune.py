@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from ..reasons import SnapguardError
-from ._base import store_failure
+from ..reasons import Reason, SnapguardError
+from ._base import exit_code, store_failure
 
 __all__ = ["add_parser", "run"]
 
@@ -29,9 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from ..store import open_store
 
     try:
-        gone = open_store(args.store).prune(args.job, args.keep)
+        store = open_store(args.store)
+        if not store.images(args.job, whole_only=False):  # a typo'd store or job is not "0 deleted"
+            raise SnapguardError(Reason.STORE_JOB_NOT_FOUND, f"store {args.store} holds no image of job {args.job}"
+                                 + ("" if store.jobs() else " (it holds no job at all: does it exist?)"),
+                                 evidence={"store": args.store, "job": args.job})
+        gone = store.prune(args.job, args.keep)
     except SnapguardError as e:
-        return store_failure(args, e)
+        return store_failure(args, e) and exit_code(e.failure, e)
     print(json.dumps({"ok": True, "job": args.job, "deleted": gone}, indent=2) if args.json else
           f"snapguard prune: {len(gone)} image(s) of {args.job} deleted" + (f": {', '.join(gone)}" if gone else ""))
     return 0

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..reasons import SnapguardError
-from ._base import STORE_EPILOG, progress, store_failure
+from ._base import STORE_EPILOG, need_store, progress, store_failure, store_flag
 
 __all__ = ["add_parser", "run"]
 
@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
                         description=("Fetch the job's newest whole image (or --image) into --images, a new or "
                                      "empty directory made root-only; every byte is checked against the manifest "
                                      "as it arrives and the local marker is written last."))
-    pl.add_argument("--from", dest="from_url", required=True, metavar="URL", help="the store")
+    store_flag(pl, "--from", required=True)
     pl.add_argument("--images", required=True, metavar="DIR", help="where the image goes (new or empty)")
     pl.add_argument("--job", metavar="J", help="the job (default: the store's only job)")
     pl.add_argument("--image", metavar="NAME", help="this image instead of the newest whole one")
@@ -29,8 +29,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import pipeline
 
+    url = need_store(args, "pull")
     try:
-        out = pipeline.pull_image(args.from_url, args.images, job=args.job, image=args.image,
+        out = pipeline.pull_image(url, args.images, job=args.job, image=args.image,
                                   progress_stream=progress(args))
     except SnapguardError as e:
         return store_failure(args, e)

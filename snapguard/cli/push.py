@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config import ConfigError, load
 from ..reasons import SnapguardError
-from ._base import STORE_EPILOG, progress, store_failure
+from ._base import STORE_EPILOG, need_store, progress, store_failure, store_flag
 
 __all__ = ["add_parser", "run"]
 
@@ -16,16 +16,16 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     ps = sub.add_parser("push", help="upload a sealed image to an image store",
                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=STORE_EPILOG,
-                        description=("Upload the whole image in --images (marker present) to --to as an image of "
+                        description=("Upload the whole image in --images (marker present) to --store as an image of "
                                      "--job: every file verified against the manifest as it is read, then the "
                                      "manifest, then the marker. Refused with FENCED, writing nothing, when the "
                                      "job was restored elsewhere under a newer epoch than this node's."))
     ps.add_argument("--images", required=True, metavar="DIR", help="the sealed image directory")
-    ps.add_argument("--to", required=True, metavar="URL", help="the store")
+    store_flag(ps, "--to", required=True)
     ps.add_argument("--job", metavar="J", help="the job (default: the image directory's name)")
     ps.add_argument("--name", metavar="NAME", help="the image's name in the store (default: UTC time, sortable)")
     ps.add_argument("--epoch", type=int, metavar="N", help="this node's fencing epoch of the job (default: the one "
-                    "this node's last restore --from took, else the manifest's fence_epoch, else 0)")
+                    "this node's last restore --store took, else the manifest's fence_epoch, else 0)")
     ps.add_argument("--progress", action="store_true", help="draw the transfer's progress on a terminal")
     ps.add_argument("--json", action="store_true", help="print what was pushed as JSON")
 
@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
         config = load()
     except ConfigError:
         config = None  # the node's epoch file is only one of the places the epoch comes from
+    url = need_store(args, "push")
     try:
-        out = pipeline.push_image(args.images, args.to, job=args.job, name=args.name, epoch=args.epoch,
+        out = pipeline.push_image(args.images, url, job=args.job, name=args.name, epoch=args.epoch,
                                   config=config, progress_stream=progress(args))
     except SnapguardError as e:
         return store_failure(args, e)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .. import children
 from ..reasons import Reason, SnapguardError
+from ._sources._retry import retry
 
 __all__ = ["ANNOTATION_EPOCH", "ANNOTATION_FILE_CHECKPOINT", "ANNOTATION_JOB", "ContainerdWatch"]
 
@@ -49,15 +51,23 @@ class ContainerdWatch:
         if bad:
             raise SnapguardError(Reason.USAGE_ERROR, f"containerd namespace {bad[0]!r} is not a namespace name")
 
-    def _ctr(self, namespace: str, *args: str) -> str:
-        out = children.run_captured([self.ctr, "--address", self.address, "--namespace", namespace, *args],
-                                    timeout_s=self.timeout_s, what=f"ctr {args[0]} {args[1]}",
-                                    reason=Reason.CONTAINERD_UNAVAILABLE)
-        if out.returncode != 0:
-            raise SnapguardError(Reason.CONTAINERD_UNAVAILABLE, f"ctr --namespace {namespace} {' '.join(args[:2])}: "
-                                 f"exit {out.returncode}: {(out.stderr.strip().splitlines() or [''])[-1][:300]}",
-                                 evidence={"address": self.address, "namespace": namespace})
-        return out.stdout
+    def _ctr(self, namespace: str, *args: str, deadline: float | None = None) -> str:
+        """ctr's output; within `deadline` (monotonic), a ctr that exits non-zero (containerd
+        restarting, its socket not up yet) is run again with jittered backoff (_sources._retry)."""
+        def once() -> str:
+            left = self.timeout_s if deadline is None else max(0.001, min(self.timeout_s, deadline - time.monotonic()))
+            out = children.run_captured([self.ctr, "--address", self.address, "--namespace", namespace, *args],
+                                        timeout_s=left, what=f"ctr {args[0]} {args[1]}",
+                                        reason=Reason.CONTAINERD_UNAVAILABLE)
+            if out.returncode != 0:
+                raise _Exited(Reason.CONTAINERD_UNAVAILABLE, f"ctr --namespace {namespace} {' '.join(args[:2])}: "
+                              f"exit {out.returncode}: {(out.stderr.strip().splitlines() or [''])[-1][:300]}",
+                              evidence={"address": self.address, "namespace": namespace})
+            return out.stdout
+
+        if deadline is None:
+            return once()
+        return retry(once, deadline, lambda e: isinstance(e, _Exited))
 
     def annotated(self) -> tuple[list[dict[str, Any]], list[str]]:
         """(entries for the registry, lines on what was skipped and why)."""
@@ -65,7 +75,8 @@ class ContainerdWatch:
         skipped: list[str] = []
         for ns in self.namespaces:
             running = set()
-            for line in self._ctr(ns, "tasks", "list").splitlines()[1:]:
+            listed = self._ctr(ns, "tasks", "list", deadline=time.monotonic() + self.timeout_s)
+            for line in listed.splitlines()[1:]:
                 parts = line.split()
                 if len(parts) >= 3 and parts[2] == "RUNNING":
                     running.add(parts[0])
@@ -91,6 +102,10 @@ class ContainerdWatch:
                 else:
                     entries.append(entry)
         return entries, skipped
+
+
+class _Exited(SnapguardError):
+    """ctr ran and exited non-zero: transient for the listing (ctr's own timeout is not retried)."""
 
 
 def _annotations(info: Any) -> dict[str, str]:

@@ -291,8 +291,12 @@ class Report:
         for c in self.checks:
             details = [str(f) for f in c.findings] or \
                 ([f"{c.reason.name if c.reason else ''}: {c.error}"] if c.error else [""])
+            no_driver = c.name == "nvidia-driver" and c.status == "ok" and self.host.knows("gpu") and \
+                self.host.gpu is None  # nothing was checked: not "ok" beside the gpu capability's blocker
+            if no_driver:
+                details = [f"{Reason.GPU_DRIVER_MISSING.name}: no NVIDIA driver on this node, nothing to check"]
             for i, d in enumerate(details):
-                name, status = (c.name, c.status) if i == 0 else ("", "")
+                name, status = (c.name, "absent" if no_driver else c.status) if i == 0 else ("", "")
                 lines.append(f"{name:<{width}}  {status:<7}  {d}".rstrip())
         errors = [c for c in self.checks if c.error and self.gates(c)]
         remedies = _remedies(self.blockers, errors)

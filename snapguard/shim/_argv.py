@@ -41,25 +41,10 @@ __all__ = [
 # snapguard's checks; "pass": runc is exec'd with argv unchanged. A verb not in the table (a
 # typo, or a command a later runc adds) is treated as "cannot tell": see the executor's decide().
 VERB_TABLE: tuple[tuple[str, str], ...] = (
-    ("checkpoint", "guard"),
-    ("create", "pass"),
-    ("delete", "pass"),
-    ("events", "pass"),
-    ("exec", "pass"),
-    ("kill", "pass"),
-    ("list", "pass"),
-    ("pause", "pass"),
-    ("ps", "pass"),
-    ("restore", "guard"),
-    ("resume", "pass"),
-    ("run", "pass"),
-    ("spec", "pass"),
-    ("start", "pass"),
-    ("state", "pass"),
-    ("update", "pass"),
-    ("features", "pass"),
-    ("help", "pass"),
-    ("h", "pass"),
+    ("checkpoint", "guard"), ("create", "pass"), ("delete", "pass"), ("events", "pass"), ("exec", "pass"),
+    ("kill", "pass"), ("list", "pass"), ("pause", "pass"), ("ps", "pass"), ("restore", "guard"),
+    ("resume", "pass"), ("run", "pass"), ("spec", "pass"), ("start", "pass"), ("state", "pass"),
+    ("update", "pass"), ("features", "pass"), ("help", "pass"), ("h", "pass"),
 )
 GUARDED_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how == "guard")
 PASS_THROUGH_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how == "pass")
@@ -85,6 +70,7 @@ CHECKPOINT_FLAGS = (
     (("pre-dump",), BOOL), (("manage-cgroups-mode",), STRING), (("empty-ns",), SLICE), (("auto-dedup",), BOOL),
     _HELP,
 )
+DEPRECATED_RESTORE_FLAGS = {"from": "store", "from-job": "job", "from-image": "image"}
 # runc 1.1 restore.go, restoreCommand.Flags (no --parent-path: runc restore rejects it).
 RESTORE_FLAGS = (
     (("console-socket",), STRING), (("image-path",), STRING), (("work-path",), STRING),
@@ -94,10 +80,11 @@ RESTORE_FLAGS = (
     (("auto-dedup",), BOOL), (("lazy-pages",), BOOL), (("lsm-profile",), STRING), (("lsm-mount-context",), STRING),
     _HELP,
     # snapguard's own (runc never sees them: shim/restore.py takes them out): restore from an
-    # image store, fetched into --image-path, fenced
-    *((((name,), STRING) for name in ("from", "from-job", "from-image"))),
+    # image store, fetched into --image-path, fenced. --store, --job, --image; the first names are
+    # the old spellings, which say they are deprecated (values are keyed by the first name)
+    *((((old, new), STRING) for old, new in DEPRECATED_RESTORE_FLAGS.items())),
 )
-OWN_RESTORE_FLAGS = ("from", "from-job", "from-image")
+OWN_RESTORE_FLAGS = tuple(name for pair in DEPRECATED_RESTORE_FLAGS.items() for name in pair)
 _SUBCOMMAND_FLAGS = {"checkpoint": CHECKPOINT_FLAGS, "restore": RESTORE_FLAGS}
 
 
@@ -447,4 +434,6 @@ def parse_subcommand(subcommand: str, args: list[str]) -> SubcommandArgs:
     parsed.multi = {name: list(values) for name, values in new.multi.items()}
     parsed.bools = {name for name, on in new.bools.items() if on}
     parsed.container_id = new.rest[0]
+    for name in dict.fromkeys(n for n in new.seen if n in DEPRECATED_RESTORE_FLAGS and subcommand == "restore"):
+        os.write(2, f"snapguard-runc: --{name} is deprecated, use --{DEPRECATED_RESTORE_FLAGS[name]}\n".encode())
     return parsed

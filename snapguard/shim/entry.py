@@ -52,6 +52,24 @@ def _unsure(args: list[str], why: str) -> tuple[str, str | None]:
     return "pass", None
 
 
+def _help_asked(args: list[str]) -> str | None | bool:
+    """The command whose help is asked: None for the app's (`--help` among the global flags),
+    checkpoint or restore for theirs; False when no help of snapguard's is asked (runc's other
+    commands print their own)."""
+    try:
+        opts = split_global(args)
+    except ArgvError:
+        return False
+    if "help" in opts.bools:
+        return None
+    if opts.subcommand in GUARDED_VERBS:
+        from ._help import asks_help
+
+        if asks_help(args[opts.subcommand_index + 1:]):
+            return opts.subcommand
+    return False
+
+
 def _fail(reason: str, message: str, args: list[str]) -> int:
     # Rare path: now the heavier modules may load.
     from ..reasons import Failure, Reason
@@ -68,6 +86,12 @@ def _fail(reason: str, message: str, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     args = argv[1:]
+    verb = _help_asked(args) if any(a.lstrip("-").split("=")[0] in ("h", "help") for a in args) else False
+    if verb is not False:  # snapguard's own help first, then the real runc's
+        from ._help import help_text
+
+        sys.stdout.write(help_text(verb))
+        return 0
     action, detail = decide(args)
     if action == "refuse":
         assert isinstance(detail, str)

@@ -7,6 +7,7 @@
     store.take_epoch(job, expect=seen)            # fencing: create-only, one winner
     store.check_epoch(job, e)                     # FENCED when a newer epoch exists
     record_published(store, PublishedImage(...))  # an OCI checkpoint image of the job (_published)
+    catalog(store, job) -> [StoredImage]          # every image, record and manifest read (_catalog)
 
 Failures are SnapguardError with a typed reason: STORE_UNREACHABLE, STORE_TOO_SLOW,
 STORE_WRITE_UNCONFIRMED, STORE_RECORD_INVALID, UPLOAD_INCOMPLETE, FENCED, IMAGE_CORRUPT,
@@ -20,13 +21,15 @@ from urllib.parse import unquote, urlsplit
 
 from ..reasons import Reason, SnapguardError
 from ._base import STORE_RECORD, Store
+from ._catalog import StoredImage, catalog, split_image_url, stored_image
 from ._digest import SPAN, SpanHasher, combine
-from ._published import PublishedImage, newest_published, record_published
+from ._published import PublishedImage, newest_file_checkpoint_time, newest_published, record_published
 from ._json import load_record
 from ._records import ImageRef, Progress, Pulled, check_name, terminal_progress
 
 __all__ = ["SPAN", "STORE_RECORD", "ImageRef", "Progress", "PublishedImage", "Pulled", "SpanHasher", "Store",
-           "check_name", "combine", "load_record", "newest_published", "open_store", "record_published", "terminal_progress"]
+           "StoredImage", "catalog", "check_name", "combine", "load_record", "newest_file_checkpoint_time", "newest_published", "open_store",
+           "record_published", "split_image_url", "stored_image", "terminal_progress"]
 
 
 def open_store(url: str, *, endpoint_url: str | None = None, parallel: int = 4) -> Store:

@@ -234,7 +234,7 @@ def test_once_streams_into_a_file_store(tmp_path: Path, env: dict[str, str]) -> 
                            start_new_session=True)
     wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 60, "the workload counting")
     assert snapguard("protect", "--pid", str(job.pid), "--job", "train-d", env=env).returncode == 0
-    assert snapguard("notice", "--reason", "test", env=env).returncode == 0
+    assert snapguard("notice", "--reason", "test", "--queue", env=env).returncode == 0
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
     open_store = store_mod.open_store

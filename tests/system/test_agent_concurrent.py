@@ -47,7 +47,7 @@ def test_two_snapshotted_at_once_and_a_third_falls_back(tmp_path: Path) -> None:
         doc = json.loads(reg.read_text())
         doc["workloads"][f"pid:{procs[2].pid}"]["gpu_bytes"] = 80 << 30  # 80 GiB: no 10 s lead moves it
         reg.write_text(json.dumps(doc))
-        out = _run("notice", "--lead", "10", "--id", "short", env=env)
+        out = _run("notice", "--lead", "10", "--id", "short", "--queue", env=env)
         assert out.returncode == 0, out.stderr
         start = time.monotonic()
         out = _run("agent", "--once", "--host-checks-every", "0", env=env)

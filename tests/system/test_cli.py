@@ -100,3 +100,48 @@ def test_build_parser_reaches_every_command_with_its_help() -> None:
         assert command.prog == f"snapguard {name}"
         if name != "drill":  # hands its argv to snapguard-lab drill
             assert all(a.help for a in command._actions), name
+
+
+# --- no silent success (the agent's commands: root) ----------------------------------------------
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from snapguard import cli
+
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def agent_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    monkeypatch.setenv("SNAPGUARD_CONFIG", str(cfg))
+    monkeypatch.setenv("SNAPGUARD_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state" / "agent"
+
+
+@pytest.mark.root
+def test_notice_with_no_agent_is_refused_unless_queued(agent_env: Path, capsys) -> None:
+    code, out, err = run_cli(capsys, "notice", "--id", "n1")
+    assert code == 1 and out == "" and err.startswith("snapguard AGENT_NOT_RUNNING: no agent holds ")
+    assert not list((agent_env / "inbox").glob("*.json")) if (agent_env / "inbox").exists() else True
+    code, out, _ = run_cli(capsys, "notice", "--id", "n1", "--queue")
+    assert code == 0 and (agent_env / "inbox" / "n1.json").exists()
+    import fcntl  # an agent holding its lock: posted without --queue
+
+    fd = os.open(agent_env / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        code, out, _ = run_cli(capsys, "notice", "--id", "n2")
+        assert code == 0 and "snapguard notice n2 posted" in out
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.root
+def test_protect_list_of_an_empty_registry_says_so(agent_env: Path, capsys) -> None:
+    code, out, err = run_cli(capsys, "protect", "--list")
+    assert code == 0 and out == "" and err.startswith("snapguard protect: nothing is protected")
+    code, out, _ = run_cli(capsys, "protect", "--list", "--json")
+    assert code == 0 and out.strip() == "{}"

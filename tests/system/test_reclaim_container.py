@@ -39,7 +39,7 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
 
         out = sg("protect", "--container", t.container_id, "--root", str(t.root), "--job", "ctr-job")
         assert out.returncode == 0, out.stderr
-        assert sg("notice", "--reason", "test reclaim").returncode == 0
+        assert sg("notice", "--reason", "test reclaim", "--queue").returncode == 0
         out = sg("agent", "--once", "--store", url)
         assert out.returncode == 0, out.stderr
         kinds = [e["event"] for e in journal(t)]
@@ -75,7 +75,7 @@ def test_agent_snapshots_a_container_and_snapguard_runc_restores_it_from_the_sto
         # the store now holds epoch 1: the old node's late push of its image is refused
         images = [e for e in journal(t) if e["event"] == "snapshot_sealed"][0]["image"]
         old_node = {**env, "SNAPGUARD_STATE_DIR": str(tmp_path / "old-node-state")}  # it never saw epoch 1
-        out = subprocess.run([EXE, "push", "--images", images, "--to", url, "--job", "ctr-job"], capture_output=True,
+        out = subprocess.run([EXE, "push", "--images", images, "--store", url, "--job", "ctr-job"], capture_output=True,
                              text=True, timeout=180, env=old_node)
         assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
 
@@ -150,7 +150,7 @@ def test_agent_protects_containers_annotated_in_containerd(containerd, snapguard
         assert (entry["job"], entry["file_checkpoint"], entry["source"], entry["root"]) == \
             ("annotated-job", "/ckpt/annotated.pt", "containerd", containerd.runc_root)
 
-        assert subprocess.run([EXE, "notice", "--reason", "drain"], env=env, timeout=60).returncode == 0
+        assert subprocess.run([EXE, "notice", "--reason", "drain", "--queue"], env=env, timeout=60).returncode == 0
         out = subprocess.run(agent, capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr
         from snapguard.store import open_store

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ...reasons import Reason, SnapguardError
+from ._retry import retry
 
 __all__ = ["MAX_HEADERS", "Exchange", "Response", "malformed", "request", "unavailable"]
 
@@ -107,6 +108,8 @@ class Exchange:
             if len(self._buf) > limit:
                 raise malformed(self.name, self.url, f"{what} over {limit} bytes")
             if not self._fill():
+                if not self._buf and not self.status:  # closed before a byte of an answer: the peer's state
+                    raise unavailable(self.name, self.url, "the connection closed before any answer")
                 raise malformed(self.name, self.url, f"the connection closed in the middle of the {what}")
 
     def _exactly(self, n: int) -> bytes:
@@ -131,7 +134,8 @@ class Exchange:
         except _Timeout:
             raise self.timed_out() from None
         except ssl.SSLError as e:
-            raise unavailable(self.name, self.url, f"TLS: {e.reason or e}") from None
+            err = unavailable(self.name, self.url, f"TLS: {e.reason or e}")
+            raise (_permanent(err) if isinstance(e, ssl.SSLCertVerificationError) else err) from None
         except OSError as e:
             raise unavailable(self.name, self.url, e.strerror or f"{type(e).__name__}: {e}") from None
         return self
@@ -142,7 +146,7 @@ class Exchange:
     def _open(self) -> None:
         u = urllib.parse.urlsplit(self.url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise unavailable(self.name, self.url, "not an http:// or https:// URL")
+            raise _permanent(unavailable(self.name, self.url, "not an http:// or https:// URL"))
         port = u.port or (443 if u.scheme == "https" else 80)
         self.sock = socket.create_connection((u.hostname, port), timeout=self._left())
         if u.scheme == "https":
@@ -157,7 +161,7 @@ class Exchange:
             lines.append("Content-Length: 0")
         for k, v in self.headers_out.items():
             if any(c in f"{k}{v}" for c in "\r\n\0"):
-                raise unavailable(self.name, self.url, f"header {k!r} holds a line break")
+                raise _permanent(unavailable(self.name, self.url, f"header {k!r} holds a line break"))
             lines.append(f"{k}: {v}")
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self.sock.settimeout(self._left())
@@ -254,10 +258,39 @@ class Exchange:
 def request(name: str, url: str, deadline: float, *, method: str = "GET", headers: dict[str, str] | None = None,
             context: ssl.SSLContext | None = None, max_body: int = 1 << 20, ok: tuple[int, ...] = ()) -> Response:
     """One whole exchange by `deadline`. A 2xx, or a status in `ok`, is returned; any other is
-    NOTICE_SOURCE_UNAVAILABLE `HTTP <code> <reason>`."""
-    with Exchange(name, url, deadline, method=method, headers=headers, context=context) as ex:
-        ex.open()
-        body = ex.body(max_body)
-    if not (200 <= ex.status < 300) and ex.status not in ok:
-        raise unavailable(name, url, f"HTTP {ex.status} {ex.reason}".strip())
-    return Response(ex.status, ex.reason, ex.headers, body)
+    NOTICE_SOURCE_UNAVAILABLE `HTTP <code> <reason>`. A transient failure (the connection
+    refused, reset or cut short, HTTP 429 or 5xx) is tried again with jittered backoff while
+    another attempt fits before `deadline` (_retry); a 4xx or an answer that is not HTTP is not."""
+    def once() -> Response:
+        with Exchange(name, url, deadline, method=method, headers=headers, context=context) as ex:
+            ex.open()
+            body = ex.body(max_body)
+        if not (200 <= ex.status < 300) and ex.status not in ok:
+            raise _Status(ex.status, unavailable(name, url, f"HTTP {ex.status} {ex.reason}".strip()))
+        return Response(ex.status, ex.reason, ex.headers, body)
+
+    try:
+        return retry(once, deadline, _transient)
+    except _Status as e:
+        raise e.error from None
+
+
+class _Status(Exception):
+    """A status the caller does not take: NOTICE_SOURCE_UNAVAILABLE, retried when transient."""
+
+    def __init__(self, status: int, error: SnapguardError) -> None:
+        super().__init__(status)
+        self.status, self.error = status, error
+
+
+def _permanent(err: SnapguardError) -> SnapguardError:
+    """A failure no retry can mend (a bad URL or header, a certificate that does not verify)."""
+    err.permanent = True  # type: ignore[attr-defined]
+    return err
+
+
+def _transient(e: Exception) -> bool:
+    if isinstance(e, _Status):
+        return e.status == 429 or e.status >= 500
+    return isinstance(e, SnapguardError) and e.reason is Reason.NOTICE_SOURCE_UNAVAILABLE and \
+        not getattr(e, "permanent", False)
