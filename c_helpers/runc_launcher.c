@@ -29,7 +29,9 @@
  * no environment variable (SNAPGUARD_RUNC, or a SNAPGUARD_CONFIG naming another file) chooses
  * another runc; otherwise the Python entry decides, reads the config and refreshes the pinned
  * file. A pinned file that is missing, unsafe or malformed, or an exec that fails, is one line
- * `snapguard-runc: <reason>` on stderr and exit 1; nothing is looked up in PATH.
+ * `snapguard-runc: <reason>` on stderr and exit 2 (the exit contract's "the install cannot be
+ * used and nothing was tried"; 1 is a refusal, which only the Python entry makes); nothing is
+ * looked up in PATH.
  *
  * Built with -DSG_ROUTE_TEST, main() prints the route ("runc" or "snapguard") for its argv and
  * execs nothing: the test that holds this parser to the Python one runs that build.
@@ -54,6 +56,9 @@
 #endif
 
 #define N_TABLE(t) (sizeof(t) / sizeof((t)[0]))
+
+/* the exit contract (docs/operations.md): 2, the command line or install cannot be used and nothing was tried */
+#define SG_EXIT_UNUSABLE 2
 
 enum route { ROUTE_SNAPGUARD = 0, ROUTE_RUNC = 1 };
 
@@ -344,7 +349,7 @@ static int env_overrides(void)
 static int die(const char *what, const char *path)
 {
 	fprintf(stderr, "snapguard-runc: %s %s: %s\n", what, path, strerror(errno));
-	return 1;
+	return SG_EXIT_UNUSABLE;
 }
 
 /* argv unchanged but argv[0], the path exec'd (argv is this process's own, NULL-terminated) */
@@ -358,7 +363,7 @@ int main(int argc, char *argv[])
 {
 	static struct pin pin;
 	if (argc < 1)
-		return 1;
+		return SG_EXIT_UNUSABLE;
 	enum route route = decide(argc - 1, argv + 1);
 	if (read_pin(&pin) < 0)
 		return die("pinned file", SG_PIN_PATH);

@@ -9,24 +9,43 @@ broker (snapguard.wire.BROKER_ENV): the CRIU run a broker serves is told of it b
 its caller builds; a child started here with snapguard's own (a `cuda-checkpoint -h` probe, ctr)
 never inherits one.
 
-Every child dies with the executor: it is started with a parent-death signal (SIGKILL, from
-PR_SET_PDEATHSIG; it fires when the thread that started it ends, and `run` and `run_captured`
-wait in that thread), so a killed `snapguard-runc` leaves no runc or CRIU behind it.
+Every child dies with the executor, and what it started with it. The child itself gets a
+parent-death signal (SIGKILL, from PR_SET_PDEATHSIG; it fires when the thread that started it
+ends, and `run` and `run_captured` wait in that thread). What the child starts (runc's CRIU, which
+goes on dumping for seconds after its runc is gone, and CRIU's helpers) stays in the child's
+process group, and a watchdog ends that group: one small process per executor (this interpreter,
+`-I -S`, stdlib only, in a group of its own) that holds the read end of a pipe only the executor
+writes to. The executor tells it each group it starts and each that ended; when the pipe closes
+without a goodbye (the executor was killed) it SIGKILLs every group still open, at once.
+
+Where the watchdog cannot act (it was killed with the executor, the machine's OOM killer took
+both), the next run clears what was left: with `keep_records(dir)` (the pipeline's, the state
+directory's `children`), each group started is recorded there (pgid, its leader's start time, the
+executor's pid and start time, the boot) until it ends, and `sweep(dir)` SIGKILLs every recorded
+group whose executor is gone and that still runs: its leader by pid and start time, or, with the
+leader gone, the group that still holds its number (a number is never given out again while a
+group holds it, and a group made anew has its leader).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
+from . import procfs
+from .files import write_atomic
 from .reasons import Reason, SnapguardError
 from .wire import BROKER_ENV
 
-__all__ = ["ChildTimeout", "probe", "run", "run_captured"]
+__all__ = ["ChildTimeout", "keep_records", "probe", "run", "run_captured", "sweep"]
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -41,6 +60,162 @@ def _dies_with(parent: int) -> Callable[[], None]:
         if os.getppid() != parent:
             os._exit(127)
     return die_with_parent
+
+
+# The watchdog: lines "+PGID" and "-PGID" on its stdin-less pipe; "." is the goodbye. At EOF
+# without it, every group still open is SIGKILLed.
+_WATCHDOG = """
+import os, signal, sys
+fd, groups, buf = int(sys.argv[1]), set(), b""
+while True:
+    try:
+        chunk = os.read(fd, 4096)
+    except InterruptedError:
+        continue
+    except OSError:
+        chunk = b""
+    if not chunk:
+        break
+    buf += chunk
+    *lines, buf = buf.split(b"\\n")
+    for line in lines:
+        if line == b".":
+            sys.exit(0)
+        if line[:1] == b"+":
+            groups.add(int(line[1:]))
+        elif line[:1] == b"-":
+            groups.discard(int(line[1:]))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Watchdog:
+    """The executor's one watchdog, started with the first child (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = 0  # the executor the watchdog serves (a forked child must start its own)
+        self.fd = -1
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _say(self, line: str) -> None:
+        with self.lock:
+            if self.pid != os.getpid():
+                r, w = os.pipe()  # both ends close-on-exec: no child of ours but the watchdog holds one
+                try:
+                    self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(r)], pass_fds=(r,),
+                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                 process_group=0, env={})
+                except (OSError, subprocess.SubprocessError, ValueError):
+                    os.close(w)
+                    return  # no watchdog: the records and the next run's sweep remain
+                finally:
+                    os.close(r)
+                self.pid, self.fd = os.getpid(), w
+            try:
+                os.write(self.fd, f"{line}\n".encode())
+            except OSError:
+                pass
+
+    def started(self, pgid: int) -> None:
+        self._say(f"+{pgid}")
+
+    def ended(self, pgid: int) -> None:
+        self._say(f"-{pgid}")
+
+
+_watchdog = _Watchdog()
+_records: str | None = None
+
+
+def keep_records(directory: str | None) -> None:
+    """Record each child's group in `directory` (root's alone; the caller made it) while it runs,
+    for `sweep` to find if this executor and its watchdog die together; None: keep none."""
+    global _records
+    _records = directory
+
+
+def _record_name(pgid: int, start: int) -> str:
+    return f"{pgid}-{start}.json"
+
+
+def _record(pgid: int) -> str | None:
+    directory = _records
+    start = procfs.start_ticks(pgid)
+    if directory is None or start is None:
+        return None
+    name = os.path.join(directory, _record_name(pgid, start))
+    try:
+        write_atomic(name, json.dumps({"pgid": pgid, "start": start, "executor": os.getpid(),
+                                       "executor_start": procfs.start_ticks(os.getpid()),
+                                       "boot": procfs.boot_id()}).encode())
+    except OSError:
+        return None
+    return name
+
+
+def _forget(name: str | None) -> None:
+    if name is not None:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
+def _group_left(rec: dict[str, Any]) -> bool:
+    """Whether the recorded group still runs as the one recorded (see the module's docstring)."""
+    pgid = rec["pgid"]
+    leader = procfs.start_ticks(pgid)
+    if leader is not None:
+        return leader == rec["start"]
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def sweep(directory: str) -> list[dict[str, Any]]:
+    """End the groups an executor recorded in `directory` and left running when it died with its
+    watchdog; the records of those ended (with `ended`), each record removed once its executor is
+    gone. A record that is not one (a name or body of the wrong shape) is removed, never acted on."""
+    ended: list[dict[str, Any]] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return ended
+    boot = procfs.boot_id()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                rec = json.loads(os.read(fd, 4096))
+            finally:
+                os.close(fd)
+            good = isinstance(rec, dict) and all(isinstance(rec.get(k), int) and rec[k] > 0 for k in
+                                                 ("pgid", "start", "executor")) and \
+                name == _record_name(rec["pgid"], rec["start"])
+        except (OSError, ValueError, RecursionError):
+            good, rec = False, None
+        if good and rec is not None:
+            executor_start = procfs.start_ticks(rec["executor"])
+            if executor_start is not None and executor_start == rec.get("executor_start"):
+                continue  # its executor runs: its children are its own
+            if rec.get("boot") == boot and _group_left(rec):
+                try:
+                    os.killpg(rec["pgid"], signal.SIGKILL)
+                    ended.append({**rec, "ended": True})
+                except OSError:
+                    pass
+        _forget(path)
+    return ended
 
 
 class ChildTimeout(SnapguardError):
@@ -82,6 +257,26 @@ def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Ma
                                 stdin=None if inherit_fds else subprocess.DEVNULL, preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
+    record = _watch(proc.pid)
+    try:
+        return _wait(proc, argv, timeout_s=timeout_s, what=what, reason=reason, pointless=pointless,
+                     pointless_reason=pointless_reason, grace_s=grace_s)
+    finally:
+        _unwatch(proc.pid, record)
+
+
+def _watch(pgid: int) -> str | None:
+    _watchdog.started(pgid)
+    return _record(pgid)
+
+
+def _unwatch(pgid: int, record: str | None) -> None:
+    _watchdog.ended(pgid)
+    _forget(record)
+
+
+def _wait(proc: subprocess.Popen[bytes], argv: list[str], *, timeout_s: float, what: str, reason: Reason,
+          pointless: Callable[[], str | None] | None, pointless_reason: Reason | None, grace_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     why: tuple[float, str] | None = None
     try:
@@ -120,12 +315,18 @@ def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason
                                 preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
+    record = _watch(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise ChildTimeout(reason, f"{what} did not finish within {timeout_s:g} s and was killed",
                            evidence={"argv0": argv[0], "timeout_s": timeout_s}) from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        _unwatch(proc.pid, record)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 

@@ -7,10 +7,16 @@ Stopped by the pids it recorded, each checked to be ours by its command line; ne
 Adapted from shared/recipes/s3-radosgw.sh (measured there: start 2.3-2.5 s on 2 cores).
 
 Packages (Debian 12): ceph-mon ceph-osd radosgw ceph-common (`RadosGW.missing()` names the absent).
+
+`shared_gateway` is one radosgw for a whole test session, with two network-namespace nodes that
+reach it over a link of their own; a test module that lists this module in `pytest_plugins` gets
+it as the session fixtures `shared_s3`, `rgw` and `rgw_nodes` (started once, by the first test
+that asks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,10 +25,11 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PACKAGES", "RadosGW", "RadosGWError"]
+__all__ = ["PACKAGES", "RadosGW", "RadosGWError", "SHARED_SUBNET", "Shared", "shared_gateway"]
 
 PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-common")
 _BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph", "ceph-authtool", "monmaptool")
@@ -226,3 +233,87 @@ rgw gc processor period = 10
         if self.dir.exists():
             self.kill()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- one radosgw for a whole test session -----------------------------------------------------
+
+SHARED_SUBNET = "169.254.79"  # the shared gateway's own link: other tests' Nodes keep netns's default
+
+
+@dataclass
+class Shared:
+    """The session's radosgw and the two network-namespace nodes that reach it over their link
+    (`nodes.host_address`, radosgw's port), with the S3 environment set while it runs."""
+
+    gw: RadosGW
+    nodes: object  # snapguard_lab.netns.Nodes
+
+
+@contextlib.contextmanager
+def shared_gateway(directory: Path) -> Iterator[Shared]:
+    """Start two nodes and one radosgw listening on loopback and on their link; set the S3
+    environment (endpoint, test keys; not CEPH_CONF) for what runs meanwhile, and put the old one
+    back, nodes and daemons ended, when done. A port another run holds: once more, elsewhere."""
+    import random
+
+    from .netns import Nodes
+
+    with Nodes(["a", "b"], subnet=SHARED_SUBNET) as nodes:
+        for attempt in range(2):
+            port = random.randrange(17000, 18900)
+            gw = RadosGW(directory / f"rgw{attempt}", port=port, mon_port=port + 23000,
+                         extra_addresses=(nodes.host_address,))
+            try:
+                gw.start()
+                break
+            except RadosGWError:
+                if attempt:
+                    raise
+        saved = {k: os.environ.get(k) for k in gw.env()}
+        os.environ.update({k: v for k, v in gw.env().items() if k != "CEPH_CONF"})
+        try:
+            yield Shared(gw, nodes)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            gw.stop()
+
+
+def _skip_when_missing() -> None:
+    import pytest
+
+    if RadosGW.missing():
+        pytest.skip(f"radosgw cannot start here: missing {', '.join(RadosGW.missing())} "
+                    "(packaging/install-deps.sh installs " + " ".join(PACKAGES) + ")")
+
+
+def _fixtures() -> tuple[object, object, object]:
+    """The pytest fixtures of a test module that names this module in `pytest_plugins`:
+    `shared_s3` (session: started by the first test that asks, ended with the session), and `rgw`
+    and `rgw_nodes`, its parts."""
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def shared_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+        _skip_when_missing()
+        with shared_gateway(tmp_path_factory.mktemp("shared-rgw")) as shared:
+            yield shared
+
+    @pytest.fixture(scope="session")
+    def rgw(shared_s3: Shared) -> RadosGW:
+        return shared_s3.gw
+
+    @pytest.fixture(scope="session")
+    def rgw_nodes(shared_s3: Shared) -> object:
+        return shared_s3.nodes
+
+    return shared_s3, rgw, rgw_nodes
+
+
+try:
+    shared_s3, rgw, rgw_nodes = _fixtures()
+except ImportError:  # pytest absent: the gateway itself still works
+    pass

@@ -17,8 +17,9 @@ def add_parser(sub: Any) -> None:
 
     met = sub.add_parser("metrics", help="the node preflight as Prometheus textfile metrics (node-exporter)",
                          description=("Run `snapguard preflight --node` and write its verdict, capabilities and "
-                                      "checks to DIR/snapguard.prom with prometheus_client (extra `metrics`). Exit 0 "
-                                      "when written, whatever the verdict (it is in the metrics)."))
+                                      "checks to DIR/snapguard.prom with prometheus_client (extra `metrics`), with "
+                                      "what the node's snapshots, restores and notices did (snapguard_snapshots_total, "
+                                      "...). Exit 0 when written, whatever the verdict (it is in the metrics)."))
     met.add_argument("--textfile", default=DEFAULT_TEXTFILE_DIR, metavar="DIR",
                      help=f"node-exporter's textfile directory (default {DEFAULT_TEXTFILE_DIR})")
     met.add_argument("--require", type=capabilities, metavar="LIST", help="as preflight --node --require")
@@ -32,12 +33,15 @@ def run(args: argparse.Namespace) -> int:
 
     while True:
         start = time.monotonic()
+        state_dir = None
         try:
-            report = preflight.node_report(load(), args.require)
+            config = load()
+            state_dir = config.state_dir
+            report = preflight.node_report(config, args.require)
         except Exception as e:  # unchecked, as preflight reports it: the metrics say so
             report = unchecked_report(e, "--node")
         try:
-            path = metrics.write_textfile(report, args.textfile, time.monotonic() - start)
+            path = metrics.write_textfile(report, args.textfile, time.monotonic() - start, state_dir=state_dir)
         except metrics.MetricsUnavailable as e:
             print(f"snapguard USAGE_ERROR: {e}", file=sys.stderr)
             return EXIT_USAGE

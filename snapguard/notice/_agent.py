@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import files
+from .. import files, tally
 from ..config import Config
 from ..reasons import Failure, Reason, SnapguardError, failure_from
 from ._recover import recover
@@ -58,7 +58,7 @@ class Agent:
 
     def __init__(self, config: Config, sources: list[Source], *, store_url: str | None = None,
                  images: str | None = None, interval_s: float = 5.0,
-                 log: Callable[[str], None] | None = None, containerd: Any = None,
+                 log: Callable[[str], None] | None = None, containerd: Any = None, cri: Any = None,
                  keep: int | None = None, host_checks_every_s: float | None = HOST_CHECKS_EVERY_S,
                  host_checks_max_age_s: float | None = None, workers: int | None = None,
                  metrics_path: str | None = None) -> None:
@@ -76,6 +76,7 @@ class Agent:
         self._source_state: dict[str, str | None] = {}
         self._lock_fd: int | None = None
         self.containerd = containerd  # a _containerd.ContainerdWatch: annotated containers join the registry
+        self.cri = cri  # a _cripods.CriPods: opted-in pods join the registry as kind `pod` (the CRI path)
         self.metrics_path = metrics_path  # the store's probe gauge (a Prometheus textfile)
         self.workers = workers  # snapshots at once on a notice (None: snapguard.notice._schedule.pool_size)
         self.keep = keep  # after an upload, the job's older images beyond this many whole ones are pruned
@@ -130,44 +131,51 @@ class Agent:
 
     # -- containers annotated through containerd -----------------------------------------------
     def sync_containers(self) -> None:
-        """Bring the registry in line with containerd: every running container annotated
-        `snapguard.io/job` protected, the ones this sync added and whose task is gone dropped.
-        Entries `snapguard protect` made are never touched."""
-        if self.containerd is None:
-            return
-        try:
-            entries, skipped = self.containerd.annotated()
-        except SnapguardError as err:
-            self._note_source("containerd", err.failure.message)
-            return
-        self._note_source("containerd", None)
-        for line in skipped:
-            if line not in self._skipped_said:
-                self._skipped_said.add(line)
-                self.log(f"containerd: not protected: {line}")
+        """Bring the registry in line with containerd and CRI: every running container annotated
+        `snapguard.io/job` protected (kind `container`; with the CRI path, the opted-in pods'
+        containers as kind `pod`), the ones a sync added and whose task is gone dropped. Entries
+        `snapguard protect` made are never touched."""
+        watches = [(name, kind, w) for name, kind, w in (("cri", "pod", self.cri),
+                                                          ("containerd", "container", self.containerd)) if w is not None]
+        for name, kind, watch in watches:
+            try:
+                entries, skipped = watch.opted_in() if kind == "pod" else watch.annotated()
+            except SnapguardError as err:
+                self._note_source(name, err.failure.message)
+                continue
+            self._note_source(name, None)
+            for line in skipped:
+                if line not in self._skipped_said:
+                    self._skipped_said.add(line)
+                    self.log(f"{name}: not protected: {line}")
+            self._sync_entries(name, kind, entries)
+
+    def _sync_entries(self, name: str, kind: str, entries: list[dict[str, Any]]) -> None:
         added, dropped = [], []
         with self.registry.locked() as w:
             listed = set()
             for e in entries:
-                key = f"container:{e['container']}"
+                key = f"{kind}:{e['container']}"
+                if kind == "container" and f"pod:{e['container']}" in w:
+                    continue  # the CRI path takes this one
                 listed.add(key)
                 cur = w.get(key)
-                fields = {k: e[k] for k in ("root", "job", "file_checkpoint", "epoch", "namespace")}
+                fields = {k: v for k, v in e.items() if k != "container"}
                 if cur is None:
-                    w[key] = {"kind": "container", "container": e["container"], **fields, "state": "protected",
-                              "added": time.time(), "source": "containerd", "key": key}
+                    w[key] = {"kind": kind, "container": e["container"], **fields, "state": "protected",
+                              "added": time.time(), "source": name, "key": key}
                     added.append(key)
-                elif cur.get("source") == "containerd" and cur.get("state") == "protected":
+                elif cur.get("source") == name and cur.get("state") == "protected":
                     cur.update(fields)
             for key, cur in list(w.items()):
-                if cur.get("source") == "containerd" and cur.get("state") == "protected" and key not in listed:
+                if cur.get("source") == name and cur.get("state") == "protected" and key not in listed:
                     del w[key]
                     dropped.append(key)
         for key in added:
-            self.journal("protected", key=key, source="containerd")
-            self.log(f"{key} protected: annotated snapguard.io/job in containerd")
+            self.journal("protected", key=key, source=name)
+            self.log(f"{key} protected: annotated snapguard.io/job in {name}")
         for key in dropped:
-            self.journal("unprotected", key=key, source="containerd", why="its task no longer runs")
+            self.journal("unprotected", key=key, source=name, why="its task no longer runs")
 
     # -- acting on a notice ----------------------------------------------------------------------
     def handle(self, notice: Notice) -> bool:
@@ -182,6 +190,7 @@ class Agent:
         if rec is None:
             seen[notice.id] = {"notice": notice.to_dict(), "status": "acting", "first_seen": time.time()}
             self._save_notices(seen)  # before acting: a restart must not act on it as new
+            tally.note(state_dir=self.config.state_dir, source=notice.source)  # snapguard_notices_total
             self.journal("noticed", notice=notice.id, source=notice.source, kind=notice.kind, detail=notice.detail,
                          deadline=notice.deadline, lead_s=notice.lead_s)
             lead = f", {notice.lead_s:.0f} s left" if notice.lead_s is not None else ""
@@ -228,7 +237,7 @@ class Agent:
             image, failure = self._snapshot(key, w, notice)
             if image and self.store_url and not self.registry.load().get(key, {}).get("uploaded"):
                 # not streamed, or the stream failed: pushed whole
-                self.uploads.upload(key, {**w, "image": image, "notice": notice.id})
+                self.uploads.upload(key, {**w, "image": image, "notice": notice.id}, notice.deadline)
             return failure
         return run
 
@@ -257,7 +266,7 @@ class Agent:
         stream = None
         try:
             files.ensure_private_dir(image)
-            stream = self.uploads.start_stream(key, w, image, notice.id) if self.store_url else None
+            stream = self.uploads.start_stream(key, w, image, notice.id, notice.deadline) if self.store_url else None
             req = pipeline.Request(image, leave_running=False, timeouts=pipeline.Timeouts.from_config(self.config))
             warm = self.warm.latest() if self.warm is not None else None  # never waits for a run
             result = pipeline.checkpoint(runner(self.config, w, image), req, self.config, host_checks=warm)
@@ -280,6 +289,7 @@ class Agent:
                      image_bytes=result.get("image_bytes"), timings=result.get("timings"),
                      criu_marks=result.get("criu_marks"))
         self.registry.update(key, state="snapshotted", image=image, uploaded=False, notice=notice.id)
+        tally.note(state_dir=self.config.state_dir, job=w["job"])  # its last whole snapshot
         age = (result.get("timings") or {}).get("host_checks_age_s")
         self.log(f"image sealed at {image} ({result.get('image_bytes', 0) / 1e6:.1f} MB, {took:.2f} s"
                  + (f", host checks of {age:.0f} s ago reused)" if age is not None else ")"))

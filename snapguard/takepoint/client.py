@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -159,6 +160,9 @@ def _ask_fds(path: str, pid: int, line: str, timeout: float,
 
 
 _MAX_REPLY = 1 << 20  # a take point's answer is a few KB: more is not read into the executor
+_MAX_DEPTH = 32  # its deepest part (a compile pool's pids) is three levels down
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets: deleted
 
 
 def _exchange(s: socket.socket, line: str, send: int | None = None) -> tuple[dict[str, Any], list[int]]:
@@ -179,7 +183,13 @@ def _exchange(s: socket.socket, line: str, send: int | None = None) -> tuple[dic
             s.settimeout(max(0.01, deadline - time.monotonic()))
             chunk = s.recv(65536)
             reply += chunk
-        answer = json.loads(bytes(reply).split(b"\n", 1)[0])
+        first = bytes(reply).split(b"\n", 1)[0]
+        depth = 0
+        for b in _STRING.sub(b'""', first).translate(None, _BRACKETS):  # outside strings, before parsing
+            depth += 1 if b in b"[{" else -1
+            if depth > _MAX_DEPTH:
+                raise ValueError(f"the take point's answer nests deeper than {_MAX_DEPTH} levels")
+        answer = json.loads(first)
         if not isinstance(answer, dict):
             raise ValueError(f"the take point's answer is not an object: {str(answer)[:80]}")
         return answer, fds
@@ -283,11 +293,12 @@ def _spill_settled(path: str, pid: int, wait_s: float) -> None:
 
 
 def _hold_together(found: dict[int, dict[str, Any]], wait_s: float, spill: dict[int, tuple[str, str] | None],
-                   spills: dict[int, Spill]) -> dict[int, dict[str, Any]]:
-    """Every rank to the end of one common step: two past the furthest rank's, so a rank that
-    finishes a step while the request is on its way still stops there, and none is left inside
-    a collective waiting for a held peer. Raises COORDINATION_FAILED (with the held released)."""
-    target = max(int(st[STEP]) for st in found.values()) + 2
+                   spills: dict[int, Spill], at_step: int | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank to the end of one common step: `at_step` (the one every node of a job was
+    given), else two past the furthest rank's, so a rank that finishes a step while the request
+    is on its way still stops there, and none is left inside a collective waiting for a held
+    peer. Raises COORDINATION_FAILED (with the held released)."""
+    target = at_step if at_step is not None else max(int(st[STEP]) for st in found.values()) + 2
     replies: dict[int, dict[str, Any]] = {}
 
     def ask(pid: int) -> None:
@@ -342,7 +353,7 @@ def _refuse_stray(stray: list[dict[str, Any]], held: dict[int, dict[str, Any]],
 
 
 def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-         spill: dict[int, tuple[str, str] | None] | None = None) -> TakeResult:
+         spill: dict[int, tuple[str, str] | None] | None = None, at_step: int | None = None) -> TakeResult:
     """Hold the trainers (as `trainers` found them): one alone, several at one common step.
     Several CUDA processes must all be held together, or the snapshot is refused before anything
     is frozen. Then the processes below them must hold no GPU handle outside a CUDA context
@@ -354,7 +365,7 @@ def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
     spills: dict[int, Spill] = {}
     spilling = {pid: where for pid, where in (spill or {}).items() if pid in found}
     try:
-        held, warnings = _hold(found, cuda_pids, wait_s, spilling, spills)
+        held, warnings = _hold(found, cuda_pids, wait_s, spilling, spills, at_step)
     except BaseException:
         for s in spills.values():
             s.close()
@@ -363,15 +374,15 @@ def hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
 
 
 def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-          spilling: dict[int, tuple[str, str] | None], spills: dict[int, Spill]) -> tuple[dict[int, dict[str, Any]],
-                                                                                          list[Finding]]:
+          spilling: dict[int, tuple[str, str] | None], spills: dict[int, Spill],
+          at_step: int | None = None) -> tuple[dict[int, dict[str, Any]], list[Finding]]:
     unhooked = sorted(set(cuda_pids) - set(found))
     if len(cuda_pids) > 1 and unhooked:
         raise SnapguardError(Reason.COORDINATION_FAILED,
                              f"CUDA processes {unhooked} run no take-point hook: ranks cannot be held at a "
                              "common step", evidence={"cuda_pids": cuda_pids})
-    if len(found) > 1:
-        held = _hold_together(found, wait_s, spilling, spills)
+    if len(found) > 1 or (found and at_step is not None):
+        held = _hold_together(found, wait_s, spilling, spills, at_step)
         warnings: list[Finding] = []
     else:
         held, warnings = {}, []
@@ -396,17 +407,18 @@ def _hold(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
 
 
 def release_all(found: dict[int, dict[str, Any]], spills: dict[int, Spill] | None = None,
-                timeout: float = 10.0, attempts: int = 3) -> dict[int, str]:
+                timeout: float = 10.0, attempts: int = 3, rendezvous: str | None = None) -> dict[int, str]:
     """Let the trainers go on; each one's spill (when it has one) passed back to reload from. A
     release that does not go through is asked again (a release is idempotent: the same file, and
     a hold already over keeps none). {pid: why} of those it never reached (gone, or they go on by
-    themselves after their hold limit, reloading from their own file when it is there)."""
+    themselves after their hold limit, reloading from their own file when it is there).
+    `rendezvous` (HOST:PORT): where their released process groups rebuild their store."""
     failed: dict[int, str] = {}
     for pid, st in found.items():
         spill = (spills or {}).get(pid)
         for attempt in range(attempts):
             try:
-                reply = _ask(st[SOCKET], pid, release_request(), timeout,
+                reply = _ask(st[SOCKET], pid, release_request(rendezvous), timeout,
                              spill.fd if spill is not None and spill.fd >= 0 else None)
                 if reply.get(OK) is True:
                     failed.pop(pid, None)

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from snapguard import tally
 from snapguard.store import open_store
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import expected_hash
-from tests.system.test_store import nodes, rgw  # noqa: F401 - the real radosgw, started once for the module
+
+pytest_plugins = ("snapguard_lab.s3",)  # rgw: one real radosgw for the session
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
 pytestmark = pytest.mark.root  # CRIU
@@ -73,7 +75,7 @@ def snapshot(tmp: Path, job: str, url: str, env: dict[str, str], python: str) ->
         proc.kill()
     last = values(log)[-1][0]
     log.rename(tmp / f"{job}-before.log")
-    out = sg("push", "--images", str(img), "--to", url, "--job", job, "--json", env=env)
+    out = sg("push", "--images", str(img), "--store", url, "--job", job, "--json", env=env)
     assert out.returncode == 0, out.stderr
     return img, json.loads(out.stdout)["image"], last
 
@@ -91,27 +93,31 @@ def test_later_restore_is_refused_and_the_old_nodes_push_is_fenced(tmp_path: Pat
     img, name, last = snapshot(tmp_path, "train", url, a, sys.executable)
     restored = None
     try:
-        out = sg("restore", "--from", url, "--job", "train", "--images", str(tmp_path / "b" / "img"), "--json", env=b)
+        out = sg("restore", "--store", url, "--job", "train", "--images", str(tmp_path / "b" / "img"), "--json", env=b)
         assert out.returncode == 0, out.stderr
         restored = json.loads(out.stdout)["pid"]
         assert json.loads(out.stdout)["fence_epoch"] == 1
         log = tmp_path / "train.log"
         wait_lines(log, 3)
         assert values(log)[0] == (last + 1, expected_hash(last + 1))
-        later = sg("restore", "--from", url, "--job", "train", "--image", name, env=c)
+        later = sg("restore", "--store", url, "--job", "train", "--image", name, env=c)
         assert (later.returncode, reason(later)) == (1, "ALREADY_RESTORED"), later.stderr
         assert epochs(url, "train") == ["000000000001"]
-        ok = sg("push", "--images", str(img), "--to", url, "--job", "train", env=b)  # the live copy: unfenced
+        ok = sg("push", "--images", str(img), "--store", url, "--job", "train", env=b)  # the live copy: unfenced
         assert ok.returncode == 0, ok.stderr
         store = open_store(url)
         before = store._list("")
-        late = sg("push", "--images", str(img), "--to", url, "--job", "train", env=a)
+        late = sg("push", "--images", str(img), "--store", url, "--job", "train", env=a)
         assert (late.returncode, reason(late)) == (1, "FENCED"), late.stderr
         assert store._list("") == before
         # forced, on a node whose pids are taken: refused by the preflight, before any epoch
-        forced = sg("restore", "--from", url, "--job", "train", "--image", name, "--force", env=c)
+        forced = sg("restore", "--store", url, "--job", "train", "--image", name, "--force", env=c)
         assert (forced.returncode, reason(forced)) == (1, "PID_CONFLICT"), forced.stderr
         assert store.current_epoch("train") == 1 and epochs(url, "train") == ["000000000001"]
+        # each node's executor runs tallied in its state dir (the operations metrics' source)
+        assert tally.load(a["SNAPGUARD_STATE_DIR"])["counts"] == {"snapshot": {"ok none": 1}}
+        assert tally.load(b["SNAPGUARD_STATE_DIR"])["counts"] == {"restore": {"ok none": 1}}
+        assert tally.load(c["SNAPGUARD_STATE_DIR"])["counts"]["restore"].get("failed PID_CONFLICT") == 1
     finally:
         ended(restored)
 
@@ -127,14 +133,14 @@ def test_failed_criu_rolls_the_epoch_back_and_racers_start_one_copy(tmp_path: Pa
     shutil.copy2(os.path.realpath(sys.executable), python)
     img, name, last = snapshot(tmp_path, "job2", url, a, str(python))
     python.rename(tmp_path / "py.away")
-    out = sg("restore", "--from", url, "--job", "job2", "--images", str(tmp_path / "c" / "img"), "--json", env=c)
+    out = sg("restore", "--store", url, "--job", "job2", "--images", str(tmp_path / "c" / "img"), "--json", env=c)
     assert (out.returncode, reason(out)) == (1, "CRIU_RESTORE_FAILED"), out.stderr
     assert epochs(url, "job2") == ["000000000001", "000000000001-aborted"]
     assert open_store(url).current_epoch("job2") == 0
-    ok = sg("push", "--images", str(img), "--to", url, "--job", "job2", env=a)
+    ok = sg("push", "--images", str(img), "--store", url, "--job", "job2", env=a)
     assert ok.returncode == 0, ok.stderr
     (tmp_path / "py.away").rename(python)
-    racers = [subprocess.Popen([SNAPGUARD, "restore", "--from", url, "--job", "job2", "--image", name, "--json"],
+    racers = [subprocess.Popen([SNAPGUARD, "restore", "--store", url, "--job", "job2", "--image", name, "--json"],
                                env={**os.environ, **env}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
               for env in (b, c)]
     outs = [(r.communicate(timeout=120), r.returncode) for r in racers]
@@ -148,7 +154,7 @@ def test_failed_criu_rolls_the_epoch_back_and_racers_start_one_copy(tmp_path: Pa
         log = tmp_path / "job2.log"
         wait_lines(log, 3)
         assert values(log)[0] == (last + 1, expected_hash(last + 1))  # one copy, where node a stopped it
-        late = sg("push", "--images", str(img), "--to", url, "--job", "job2", env=a)
+        late = sg("push", "--images", str(img), "--store", url, "--job", "job2", env=a)
         assert (late.returncode, reason(late)) == (1, "FENCED"), late.stderr
     finally:
         for w in won:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import SPAN, Progress, SpanHasher, open_store
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
+
+pytest_plugins = ("snapguard_lab.s3",)  # rgw, rgw_nodes: one real radosgw for the session
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
 pytestmark = pytest.mark.root  # CRIU, network namespaces
@@ -49,38 +50,6 @@ def node_env(root: Path) -> dict[str, str]:
 def snapguard(*args: str, env: dict[str, str], preexec=None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([SNAPGUARD, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env}, preexec_fn=preexec)
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    from snapguard_lab.netns import Nodes
-
-    with Nodes(["a", "b"]) as n:
-        yield n
-
-
-@pytest.fixture(scope="module")
-def rgw(nodes, tmp_path_factory):
-    from snapguard_lab.netns import HOST_ADDRESS
-    from snapguard_lab.s3 import RadosGW
-
-    if RadosGW.missing():
-        pytest.skip(f"radosgw cannot start here: missing {', '.join(RadosGW.missing())} "
-                    "(apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw ceph-common)")
-    port = random.randrange(17000, 17900)
-    gw = RadosGW(tmp_path_factory.mktemp("rgw"), port=port, mon_port=port + 23000, extra_addresses=(HOST_ADDRESS,))
-    gw.start()
-    saved = {k: os.environ.get(k) for k in gw.env()}
-    os.environ.update({k: v for k, v in gw.env().items() if k != "CEPH_CONF"})
-    try:
-        yield gw
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        gw.stop()
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -147,7 +116,7 @@ def test_round_trip_verified_while_read(store_url: str, sealed: Path, tmp_path: 
     for f in Path(pulled.image_dir).iterdir():
         assert f.stat().st_mode & 0o777 == 0o600 and f.read_bytes() == (sealed / f.name).read_bytes()
     # the CLI: pull into another directory, by the job's only image
-    out = snapguard("pull", "--from", store_url, "--images", str(tmp_path / "cli"), "--json", env=node_env(tmp_path))
+    out = snapguard("pull", "--store", store_url, "--images", str(tmp_path / "cli"), "--json", env=node_env(tmp_path))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["image"] == ref.name and (tmp_path / "cli" / image.MARKER_NAME).exists()
 
@@ -171,17 +140,17 @@ def test_upload_killed_half_way_is_never_marked(store_url: str, sealed: Path, tm
     assert store.images("job1") == [] and store.newest("job1") is None
     assert reason_of(lambda: store.pull("killed", str(tmp_path / "d"), job="job1")) is Reason.UPLOAD_INCOMPLETE
     assert not (tmp_path / "d").exists()
-    cli = snapguard("pull", "--from", store_url, "--job", "job1", "--images", str(tmp_path / "d2"),
+    cli = snapguard("pull", "--store", store_url, "--job", "job1", "--images", str(tmp_path / "d2"),
                     env=node_env(tmp_path))
     assert cli.returncode == 1 and cli.stderr.startswith("snapguard UPLOAD_INCOMPLETE: "), cli.stderr
     # restore --from with a file checkpoint registered: the fallback, exit 3, its path alone on stdout
     store.register_file_checkpoint("job1", "/ckpt/job1/step-100")
-    fb = snapguard("restore", "--from", store_url, "--job", "job1", env=node_env(tmp_path / "n"))
+    fb = snapguard("restore", "--store", store_url, "--job", "job1", env=node_env(tmp_path / "n"))
     assert fb.returncode == 3, fb.stderr
     assert fb.stdout == "/ckpt/job1/step-100\n"
     assert fb.stderr.startswith("snapguard UPLOAD_INCOMPLETE: ") and "FALLBACK_TO_FILE_CHECKPOINT" in fb.stderr
     # without one: exit 1
-    none = snapguard("restore", "--from", store_url, "--job", "job2", env=node_env(tmp_path / "n"))
+    none = snapguard("restore", "--store", store_url, "--job", "job2", env=node_env(tmp_path / "n"))
     assert none.returncode == 1 and none.stderr.startswith("snapguard IMAGE_INCOMPLETE: "), none.stderr
 
 
@@ -201,7 +170,7 @@ def test_flipped_byte_in_store_refused_before_anything_is_restored(store_url: st
     err = pytest.raises(SnapguardError, store.pull, ref, str(tmp_path / "dest"))
     assert err.value.reason is Reason.IMAGE_CORRUPT and pages in str(err.value)
     assert not (tmp_path / "dest").exists()  # nothing left to restore from
-    fb = snapguard("restore", "--from", store_url, "--job", "job1", "--file-checkpoint", "s3://ckpt/job1/7",
+    fb = snapguard("restore", "--store", store_url, "--job", "job1", "--file-checkpoint", "s3://ckpt/job1/7",
                    env=node_env(tmp_path / "n"))
     assert fb.returncode == 3 and fb.stdout == "s3://ckpt/job1/7\n", fb.stderr
     assert fb.stderr.startswith("snapguard IMAGE_CORRUPT: ")
@@ -237,7 +206,7 @@ def test_stale_snapshot_push_is_fenced_and_writes_nothing(store_url: str, sealed
     assert store.take_epoch("job1", expect=0) == 1  # the job was restored elsewhere
     before = store._list("")
     assert reason_of(lambda: store.push(str(sealed), "job1", name="old-node-2", epoch=0)) is Reason.FENCED
-    out = snapguard("push", "--images", str(sealed), "--to", store_url, "--job", "job1", env=node_env(tmp_path))
+    out = snapguard("push", "--images", str(sealed), "--store", store_url, "--job", "job1", env=node_env(tmp_path))
     assert out.returncode == 1 and out.stderr.startswith("snapguard FENCED: "), out.stderr
     assert store._list("") == before
     assert store.push(str(sealed), "job1", name="new-node-1", epoch=1).complete
@@ -370,42 +339,41 @@ def test_prune_keeps_the_newest_whole_images_and_an_upload_under_way(store_url: 
         ("20260101T000002.000000Z", True), ("20260101T000004.000000Z", True), ("20260101T000005.000000Z", False)]
     assert store.pull(store.newest("job-p"), str(tmp_path / "dest")).bytes > 0  # what is kept is whole
     bad = snapguard("prune", "--store", store_url, "--job", "job-p", "--keep", "0", env=node_env(tmp_path))
-    assert bad.returncode == 1 and bad.stderr.startswith("snapguard USAGE_ERROR: "), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("snapguard USAGE_ERROR: "), bad.stderr  # nothing tried
 
 
-def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path) -> None:
+def test_restore_from_on_the_other_node(rgw_nodes, rgw, sealed: Path, tmp_path: Path) -> None:
     """Node a snapshots a counter (stop) and pushes it; node b, a network namespace of its own
     reaching the store over its veth, restores it with --from; the counter continues exactly.
     A late push from node a afterwards is FENCED; racing restores of the image: one wins."""
     import boto3
 
-    from snapguard_lab.netns import HOST_ADDRESS
 
     bucket = f"sg-{uuid.uuid4().hex[:12]}"
     boto3.session.Session().client("s3", endpoint_url=rgw.endpoint).create_bucket(Bucket=bucket)
     url = f"s3://{bucket}/snaps"
-    over_veth = {"S3_ENDPOINT_URL": f"http://{HOST_ADDRESS}:{rgw.port}",
-                 "AWS_ENDPOINT_URL_S3": f"http://{HOST_ADDRESS}:{rgw.port}"}
+    over_veth = {"S3_ENDPOINT_URL": f"http://{rgw_nodes.host_address}:{rgw.port}",
+                 "AWS_ENDPOINT_URL_S3": f"http://{rgw_nodes.host_address}:{rgw.port}"}
     env_a, env_b = {**node_env(tmp_path / "a"), **over_veth}, {**node_env(tmp_path / "b"), **over_veth}
     log = tmp_path / "counter.log"
     proc = subprocess.Popen([sys.executable, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=nodes.enter("a"))
+                            preexec_fn=rgw_nodes.enter("a"))
     restored = None
     try:
         wait_lines(log, 5)
         out = snapguard("checkpoint", "--pid", str(proc.pid), "--images", str(tmp_path / "a" / "img"),
-                        env=env_a, preexec=nodes.enter("a"))
+                        env=env_a, preexec=rgw_nodes.enter("a"))
         assert out.returncode == 0, out.stderr
         proc.wait(timeout=10)
         last = values(log)[-1][0]
         log.rename(tmp_path / "before.log")
-        out = snapguard("push", "--images", str(tmp_path / "a" / "img"), "--to", url, "--job", "train", "--json",
-                        env=env_a, preexec=nodes.enter("a"))
+        out = snapguard("push", "--images", str(tmp_path / "a" / "img"), "--store", url, "--job", "train", "--json",
+                        env=env_a, preexec=rgw_nodes.enter("a"))
         assert out.returncode == 0, out.stderr
         pushed = json.loads(out.stdout)["image"]
-        out = snapguard("restore", "--from", url, "--job", "train", "--images", str(tmp_path / "b" / "img"),
-                        "--json", env=env_b, preexec=nodes.enter("b"))
+        out = snapguard("restore", "--store", url, "--job", "train", "--images", str(tmp_path / "b" / "img"),
+                        "--json", env=env_b, preexec=rgw_nodes.enter("b"))
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         restored = result["pid"]
@@ -419,19 +387,19 @@ def test_restore_from_on_the_other_node(nodes, rgw, sealed: Path, tmp_path: Path
         # node a, late, pushes another snapshot under its old epoch: refused, nothing written
         store = open_store(url, endpoint_url=rgw.endpoint)
         before = store._list("")
-        late = snapguard("push", "--images", str(sealed), "--to", url, "--job", "train", env=env_a,
-                         preexec=nodes.enter("a"))
+        late = snapguard("push", "--images", str(sealed), "--store", url, "--job", "train", env=env_a,
+                         preexec=rgw_nodes.enter("a"))
         assert late.returncode == 1 and late.stderr.startswith("snapguard FENCED: "), late.stderr
         assert store._list("") == before
         # node b's own later snapshots carry its epoch (from its restore): accepted
-        ok = snapguard("push", "--images", str(sealed), "--to", url, "--job", "train", env=env_b,
-                       preexec=nodes.enter("b"))
+        ok = snapguard("push", "--images", str(sealed), "--store", url, "--job", "train", env=env_b,
+                       preexec=rgw_nodes.enter("b"))
         assert ok.returncode == 0, ok.stderr
         # two more restores of the image node b was restored from: both ALREADY_RESTORED, before
         # anything is fetched or started, and no epoch is taken
-        racers = [subprocess.Popen([SNAPGUARD, "restore", "--from", url, "--job", "train", "--image", pushed, "--json"],
+        racers = [subprocess.Popen([SNAPGUARD, "restore", "--store", url, "--job", "train", "--image", pushed, "--json"],
                                    env={**os.environ, **(env_a if n == "a" else env_b)}, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=nodes.enter(n))
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=rgw_nodes.enter(n))
                    for n in ("a", "b")]
         outs = [r.communicate(timeout=120) for r in racers]
         for stdout, _ in outs:  # never expected: a racer that restored a second copy is ended

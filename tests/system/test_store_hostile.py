@@ -9,11 +9,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
-import random
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,43 +22,14 @@ from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import STORE_RECORD, open_store
 
+pytest_plugins = ("snapguard_lab.s3",)  # rgw: one real radosgw for the session
+
 HOSTILE = {
     "a list": b"[1, 2, 3]",
     "wrong types": b'{"epoch": "7", "location": 42, "manifest_sha256": true}',
     "nested deep": b'{"epoch": 1, "location": "x", "manifest_sha256": ' + b"[" * 3000 + b"]" * 3000 + b"}",
     "huge": b'{"epoch": 1, "location": "' + b"a" * (1 << 20) + b'"}',
 }
-
-
-@pytest.fixture(scope="module")
-def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from snapguard_lab.s3 import RadosGW
-
-    if RadosGW.missing():
-        pytest.skip(f"radosgw cannot start here: missing {', '.join(RadosGW.missing())} "
-                    "(packaging/install-deps.sh installs ceph-mon ceph-osd radosgw ceph-common)")
-    from snapguard_lab.s3 import RadosGWError
-
-    for attempt in range(2):  # a port another suite's radosgw holds on this shared machine: once more, elsewhere
-        port = random.randrange(18000, 18900)
-        gw = RadosGW(tmp_path_factory.mktemp("rgw"), port=port, mon_port=port + 24000)
-        try:
-            gw.start()
-            break
-        except RadosGWError:
-            if attempt:
-                raise
-    saved = {k: os.environ.get(k) for k in gw.env()}
-    os.environ.update({k: v for k, v in gw.env().items() if k != "CEPH_CONF"})
-    try:
-        yield gw
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        gw.stop()
 
 
 def new_bucket(gw: object) -> str:
