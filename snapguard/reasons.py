@@ -75,6 +75,9 @@ class Reason(enum.Enum):
                                     "name the process (its Tgid in /proc/PID/status), not one of its threads")
     SNAPSHOT_IN_PROGRESS = _Meta("another snapguard run is snapshotting or restoring this tree or image", P, True,
                                  "wait for it to finish; one snapshot of a tree at a time")
+    CHILDREN_LEFT_BEHIND = _Meta("an executor that died with its watchdog left runc or CRIU running; they were ended",
+                                 P, True, "nothing to do: this run ended them; find why the executor was killed "
+                                 "(its log, the OOM killer) if it recurs")
     UNTRUSTED_PATH = _Meta("a path that decides what runs as root, or an image, is writable or owned by another user",
                            P, True, "make it root-owned and writable by root alone (chown root; chmod go-w), "
                            "every parent included")
@@ -103,6 +106,16 @@ class Reason(enum.Enum):
                                     "monitors in the tree")
     NCCL_UNSUPPORTED = _Meta("the job uses NCCL or several CUDA processes that cannot be coordinated", P, True,
                              "use a coordinated multi-rank snapshot or fall back to a file checkpoint")
+    PROCESS_GROUP_UNREACHED = _Meta("a torch.distributed process group or store the take point cannot release at "
+                                    "the hold", P, True, "make the groups with init_process_group (env:// or tcp://, "
+                                    "no store of the trainer's) and new_group over gloo or nccl, not under "
+                                    "torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=False)")
+    COLLECTIVE_IN_CUDA_GRAPH = _Meta("an NCCL collective was captured in a CUDA graph, which replays the "
+                                     "communicator it captured: it cannot be released and rebuilt", P, True,
+                                     "capture no collective in a CUDA graph (torch.compile mode=reduce-overhead "
+                                     "around DDP/FSDP does), or fall back to a file checkpoint")
+    NCCL_NVLS_ON = _Meta("an NCCL group may use NVLink multicast (NVLS), whose multicast objects no snapshot can "
+                         "carry", P, True, "launch every rank with NCCL_NVLS_ENABLE=0")
     CUDA_IPC_UNSUPPORTED = _Meta("several CUDA processes share one GPU", P, True, "snapshot one CUDA process per GPU")
     MPS_UNSUPPORTED = _Meta("the workload uses CUDA MPS", P, True, "run without MPS")
     MIG_UNSUPPORTED = _Meta("a GPU is in MIG mode", P, True, "disable MIG on the node")
@@ -207,6 +220,12 @@ class Reason(enum.Enum):
                                 "not the shape snapguard writes", U, True,
                                 "the entry is skipped and the others still act; `snapguard protect` the workload "
                                 "again, or move the corrupt file aside")
+    AGENT_NOT_RUNNING = _Meta("no snapguard agent holds this node's state dir, so a notice would not be acted on",
+                              P, True, "start the agent (systemctl start snapguard-agent), or pass `notice --queue` "
+                              "to leave the notice in the inbox for the next agent")
+    STORE_JOB_NOT_FOUND = _Meta("the image store holds nothing of the job: a mistyped store URL or job name, or a "
+                                "store that does not exist", U, True,
+                                "check --store and --job; `snapguard images --store URL` lists what the store holds")
     STORE_NOT_WRITABLE = _Meta("the image store given to the agent could not be written at start (a probe object "
                                "was refused or the store did not answer)", R, True,
                                "fix the store URL, network or credentials before a notice comes; until then "

@@ -49,6 +49,8 @@ class Request:
     # written into a private directory (a store's pull): not read a second time
     verified_digests: tuple[tuple[str, str, int, int], ...] = ()
     fence_epoch: int | None = None  # checkpoint: the job's fencing epoch on this node, sealed into the manifest
+    at_step: int | None = None  # checkpoint: hold every trainer at the end of this optimizer step (every node's same)
+    rendezvous: str | None = None  # restore: HOST:PORT the restored ranks' process groups rebuild their store at
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:

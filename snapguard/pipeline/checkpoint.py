@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from .. import criu, files, gpu_suspend, image, preflight, procfs
+from .. import criu, files, gpu_suspend, image, preflight, procfs, tally
 from ..config import Config, resolve_cuda_checkpoint
 from ..takepoint import client as take
 from ..takepoint import spill as _spill
@@ -45,6 +45,7 @@ class _Target:
     trainers: dict[int, dict[str, Any]]
     spill: dict[int, tuple[str, str] | None]
     cuda_pids: list[int]
+    checks_s: dict[str, float]  # where preflight_s went: each check run now (not those reused), seconds
 
 
 def _network_lock(req: Request, own_netns: bool, conns: list[dict[str, Any]]) -> tuple[str | None, bool]:
@@ -70,6 +71,7 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         tree = procfs.process_tree(pid)
         inv = procfs.inventory(tree)
         report = preflight.Report(runner.describe())
+        report.run("children", lambda: scopes.sweep_children(config, steps))  # what a killed executor left
         own_netns = procfs.own_netns(pid)
         conns = procfs.tree_tcp(inv) if req.tcp_established else []
         network_lock, needs_iptables = _network_lock(req, own_netns, conns)
@@ -81,8 +83,10 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         spill = _spill.spill_dirs(found, containers=not runner.uses_host_pids)
         preflight.workload_checks(report, inv, req.tcp_established, trainers=found)
         report.raise_blockers()
+        reused = {id(r[2]) for r in ahead.results} if ahead is not None else set()
         return _Target(pid, tree, inv, report, own_netns, conns, network_lock, found, spill,
-                       [p.pid for p in inv.cuda_processes()])
+                       [p.pid for p in inv.cuda_processes()],
+                       {c.name: round(c.duration_s, 6) for c in report.checks if id(c) not in reused})
 
 
 def _image_dir(req: Request, steps: Steps) -> None:
@@ -101,7 +105,7 @@ def _hold(stack: ExitStack, req: Request, config: Config, steps: Steps, t: _Targ
         mapped = tuple(where[1] for where in t.spill.values() if where is not None)
         journal = scopes.sweep_spills(config, steps, t.report.warnings, mapped) if t.spill else None
         return stack.enter_context(scopes.held(t.trainers, t.cuda_pids, req.timeouts.take_wait_s, t.spill,
-                                               req.image_dir, journal))
+                                               req.image_dir, journal, at_step=req.at_step))
 
 
 def _dump(runner: Runner, req: Request, config: Config, steps: Steps, t: _Target,
@@ -186,6 +190,7 @@ def _seal(req: Request, runner: Runner, steps: Steps, t: _Target, hold: scopes.H
         raise
 
 
+@tally.counted("snapshot")  # snapguard_snapshots_total, its seconds and bytes
 def checkpoint(runner: Runner, req: Request, config: Config, *,
                host_checks: preflight.HostChecks | None = None) -> dict[str, Any]:
     """Snapshot the runner's target into req.image_dir; a result record, or SnapguardError.
@@ -220,5 +225,6 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         "operation": "checkpoint", **runner.identity(), "pid": t.pid, "image": req.image_dir,
         "leave_running": req.leave_running, "network_lock": t.network_lock, "cuda_pids": t.cuda_pids,
         "image_bytes": manifest["image_bytes"], "files": len(manifest["files"]), "take_point": hold.figures,
+        "preflight_checks_s": t.checks_s,
         "warnings": [w.to_dict() for w in warnings],
     }, log)

@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from .. import criu, files, image, prefetch, preflight, procfs
+from .. import criu, files, image, prefetch, preflight, procfs, tally
 from ..config import Config, resolve_cuda_checkpoint
 from ..devicemap import DeviceMap
 from ..takepoint import client as take
@@ -176,7 +176,7 @@ def _release(runner: Runner, req: Request, pid: int, manifest: image.Manifest,
                              evidence={"image": req.image_dir, "missing": missing})
     spills = _spill.open_image_spills(req.image_dir, wanted)
     try:
-        unreleased = take.release_all(restored, spills)
+        unreleased = take.release_all(restored, spills, rendezvous=req.rendezvous)
     finally:
         for spill in spills.values():
             spill.close()
@@ -222,6 +222,7 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
                                            verified={name: (digest, (dev, ino))
                                                      for name, digest, dev, ino in req.verified_digests},
                                            defer_digests=True, ahead=host_checks)
+        report.run("children", lambda: scopes.sweep_children(config, steps))  # what a killed executor left
         inspected = report.image
         digests = _Digests(inspected, held=inspected.manifest.held) if inspected is not None else None
         if digests is not None and not digests.held:
@@ -297,6 +298,7 @@ def _confirm(runner: Runner, req: Request, steps: Steps, manifest: image.Manifes
             raise
 
 
+@tally.counted("restore")  # snapguard_restores_total, its seconds and bytes
 def restore(runner: Runner, req: Request, config: Config, *,
             host_checks: preflight.HostChecks | None = None) -> dict[str, Any]:
     """Restore req.image_dir through the runner; a result record, or SnapguardError.
@@ -333,5 +335,6 @@ def restore(runner: Runner, req: Request, config: Config, *,
     return steps.record({
         "operation": "restore", **runner.identity(), "pid": pid, "image": req.image_dir, "cuda_states": states,
         "device_map": list(devices.pairs) if devices else None, "image_epoch": manifest.epoch,
+        "image_bytes": manifest.image_bytes,
         "warnings": [w.to_dict() for w in report.warnings],
     }, log)

@@ -78,10 +78,11 @@ class Hold:
 
 @contextmanager
 def held(found: dict[int, dict[str, Any]], cuda_pids: list[int], wait_s: float,
-         spill: dict[int, tuple[str, str] | None], image_dir: str, journal: str | None) -> Iterator[Hold]:
+         spill: dict[int, tuple[str, str] | None], image_dir: str, journal: str | None,
+         at_step: int | None = None) -> Iterator[Hold]:
     """The trainers held at their take point (`take.hold`), their spills' copies set up; on the
     way out released unless released or ended already, then the copies closed."""
-    taken = take.hold(found, cuda_pids, wait_s, spill=spill)
+    taken = take.hold(found, cuda_pids, wait_s, spill=spill, at_step=at_step)
     figures, warnings, spills = taken.held, taken.warnings, taken.spills
     try:
         copies = _spill.SpillCopies(image_dir, spills, figures, journal)
@@ -190,6 +191,31 @@ def cuda_broker(run_dir: criu.RunDir, gpu: bool, config: Config, steps: Steps) -
         steps.counts["cuda_broker_answers"] = broker.served
         if broker.abandoned:
             steps.counts["cuda_broker_abandoned"] = 1
+
+
+def sweep_children(config: Config, steps: Steps) -> list[Finding]:
+    """A preflight check (`report.run("children", ...)`): the children an executor that died
+    with its watchdog left (runc, CRIU), recorded in the state directory's `children`, ended now
+    (a CHILDREN_LEFT_BEHIND warning naming their groups); and this run's children recorded there
+    while they run. A record directory that cannot be kept is a warning (a later run then cannot
+    clear what this one leaves), never a refusal."""
+    from .. import children
+
+    try:
+        with steps.timed("children_sweep"):
+            directory = files.ensure_private_dir(os.path.join(config.state_dir, "children"))
+            ended = children.sweep(directory)
+    except (OSError, UntrustedPathError) as e:
+        children.keep_records(None)
+        return [Finding(Reason.PREFLIGHT_FAILED, f"the children's records in {config.state_dir} cannot be kept: {e}",
+                        Severity.WARNING, {"state_dir": config.state_dir})]
+    children.keep_records(directory)
+    if not ended:
+        return []
+    steps.counts["children_ended"] = len(ended)
+    return [Finding(Reason.CHILDREN_LEFT_BEHIND, f"{len(ended)} process group(s) an earlier executor left running "
+                    "were ended", Severity.WARNING,
+                    {"groups": [{"pgid": r["pgid"], "executor": r["executor"]} for r in ended]})]
 
 
 def sweep_spills(config: Config, steps: Steps, warnings: list[Finding], dirs: tuple[str, ...] = ()) -> str | None:

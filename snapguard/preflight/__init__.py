@@ -52,7 +52,7 @@ def _host_plan(report: Report, config: Config, gpu_required: bool, criu: str,
         ("criu", (criu,), report.host.noting(lambda facts: host.check_criu(criu, config.state_dir, facts))),
         *([("network-lock", (), host.check_network_lock)] if network_lock else []),
         ("cuda-plugin", (gpu_required,), lambda: host.check_cuda_plugin(config, gpu_required)),
-        ("nvidia-driver", (), lambda: _driver_checks(report)),
+        ("nvidia-driver", (), lambda: _driver_checks(report, config.state_dir)),
     ]
 
 
@@ -157,14 +157,14 @@ def _within(deadline_s: float, what: str, fn: Callable[[], T]) -> T:
     return box["value"]  # type: ignore[no-any-return]
 
 
-def _driver_checks(report: Report) -> list[Finding]:
+def _driver_checks(report: Report, state_dir: str | None = None) -> list[Finding]:
     facts = _within(NVML_DEADLINE_S, "NVML (the GPU inventory)", gpu.gpu_facts)
     report.host.update({"gpu": facts})
     if facts is None:
         return []  # no NVIDIA driver: nothing to check, and nothing of the driver API to load
     from ..cuda import find_libcuda
 
-    return gpu.check_driver(facts, find_libcuda())
+    return gpu.check_driver(facts, find_libcuda(), symbols=lambda lib: host.checkpoint_api(lib, state_dir))
 
 
 def default_requirements() -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..reasons import Finding, Reason, Severity
@@ -59,8 +60,10 @@ def gpu_facts() -> dict[str, Any] | None:
         pynvml.nvmlShutdown()
 
 
-def check_driver(facts: dict[str, Any] | None, libcuda: str | None) -> list[Finding]:
-    """Node: the driver exports the checkpoint API; persistence mode; MIG."""
+def check_driver(facts: dict[str, Any] | None, libcuda: str | None,
+                 symbols: Callable[[str], dict[str, bool]] | None = None) -> list[Finding]:
+    """Node: the driver exports the checkpoint API (`symbols` reads it: default
+    cuda.libcuda_checkpoint_symbols); persistence mode; MIG."""
     if facts is None:
         return []
     findings = []
@@ -69,7 +72,7 @@ def check_driver(facts: dict[str, Any] | None, libcuda: str | None) -> list[Find
     else:
         from ..cuda import libcuda_checkpoint_symbols
 
-        missing = [s for s, ok in libcuda_checkpoint_symbols(libcuda).items() if not ok]
+        missing = [s for s, ok in (symbols or libcuda_checkpoint_symbols)(libcuda).items() if not ok]
         if missing:
             findings.append(Finding(Reason.DRIVER_TOO_OLD,
                                     f"driver {facts['driver_version']}: {libcuda} lacks {', '.join(missing)}",

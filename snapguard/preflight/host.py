@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -9,8 +10,10 @@ from .. import criu, procfs
 from . import gpu
 from ..children import probe
 from ..config import Config, check_pinned_binary, resolve_cuda_checkpoint
+from ..files import ensure_private_dir, write_private_json
 from ..reasons import Finding, Reason, Severity, SnapguardError
 from ..takepoint import SPILL_TMPFS, node_spill_dir
+from ..trust import UntrustedPathError
 
 __all__ = ["spill_tmpfs", "check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
            "check_runtime_versions", "runtime_pairing", "CONTAINERD_PATHS", "IPTABLES_RESTORE"]
@@ -218,19 +221,75 @@ def check_cuda_plugin(config: Config, required: bool) -> list[Finding]:
     problem = check_pinned_binary(tool, "cuda-checkpoint") if tool else \
         f"neither {config.cuda_checkpoint} nor snapguard-cuda-checkpoint is installed"
     if not problem and tool:
-        problem = _cuda_checkpoint_probe(tool)
+        problem = _cuda_checkpoint_probe(tool, config.state_dir)
     if problem:
         findings.append(Finding(Reason.CUDA_PLUGIN_UNAVAILABLE, problem, severity,
                                 {"path": tool or config.cuda_checkpoint}))
     return findings
 
 
-def _cuda_checkpoint_probe(tool: str) -> str | None:
+def _cuda_checkpoint_probe(tool: str, state_dir: str | None = None) -> str | None:
     """The plugin's own probe: `cuda-checkpoint -h` must run and mention --action, or the plugin
-    disables itself and a dump "succeeds" without the GPU state."""
+    disables itself and a dump "succeeds" without the GPU state. A pass is remembered in the state
+    directory for this very binary until reboot (as `criu check`'s is): the probe is a child's start
+    inside every snapshot's preflight otherwise."""
+    key = _binary_key(tool)
+    cache = os.path.join(state_dir, "cuda-checkpoint-probe.json") if state_dir else None
+    if cache and key and _read_json(cache).get("passed") == key:
+        return None
     out = probe([tool, "-h"], timeout_s=30)
     if isinstance(out, str):
         return out
     if "--action" not in out.stdout:
         return f"{tool} -h does not mention --action (exit {out.returncode}): the CUDA plugin would disable itself"
+    if cache and key:
+        try:
+            ensure_private_dir(os.path.dirname(cache))
+            write_private_json(cache, {"passed": key})
+        except (OSError, UntrustedPathError):
+            pass  # a cache we cannot write only costs time
     return None
+
+
+def checkpoint_api(libcuda: str, state_dir: str | None) -> dict[str, bool]:
+    """{symbol: exported} of the driver's checkpoint API in `libcuda` (cuda.libcuda_checkpoint_symbols:
+    the ELF's symbol table read, tens of MB parsed in Python), remembered in the state directory for
+    that very file until reboot: a snapshot's preflight otherwise parses it each time. Raises what
+    the reading raises (OSError, ValueError)."""
+    key = _binary_key(libcuda)
+    cache = os.path.join(state_dir, "libcuda-symbols.json") if state_dir else None
+    if cache and key:
+        known = _read_json(cache)
+        symbols = known.get("symbols")
+        if known.get("key") == key and isinstance(symbols, dict) and symbols \
+                and all(isinstance(v, bool) for v in symbols.values()):
+            return {str(k): v for k, v in symbols.items()}
+    from ..cuda import libcuda_checkpoint_symbols
+
+    found = libcuda_checkpoint_symbols(libcuda)
+    if cache and key:
+        try:
+            ensure_private_dir(os.path.dirname(cache))
+            write_private_json(cache, {"key": key, "symbols": found})
+        except (OSError, UntrustedPathError):
+            pass  # a cache we cannot write only costs time
+    return found
+
+
+def _binary_key(path: str) -> str | None:
+    """What a cached answer about a binary holds for: the file (resolved, size, mtime), the kernel
+    and the boot; None where the file cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{os.uname().release}:{procfs.boot_id() or ''}"
+
+
+def _read_json(path: str) -> dict[str, object]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
