@@ -15,6 +15,16 @@
 #   .carry/GLIBC_REQUIRED            the newest GLIBC_x.y symbol version those ELF files need;
 #                                    setup.sh refuses an older glibc there in one line
 #   .carry/BUILD-INFO                what was built from what
+#   .carry/k8s/                      only with --k8s (bench/gpu/k8s_loop.py: the Kubernetes loop):
+#     stack.tar.xz                   containerd 2.1.9, its runc v2 shim, ctr and runc 1.3.6 with its own
+#                                    glibc (/opt/snapguard/compat, packaging/install-deps.sh), Debian's
+#                                    docker-registry (/usr/bin/docker-registry) and the static busybox
+#                                    the lab's images are built from (/bin/busybox), at those paths; one
+#                                    solid xz stream, since the Go binaries share most of their bytes
+#     GLIBC_REQUIRED                 the newest GLIBC_x.y those of them on the machine's glibc need
+#     whl/                           cp312 wheels of the lab's CRI client: grpcio, grpcio-tools,
+#                                    protobuf (the versions of this repo's venv: the stubs are compiled
+#                                    at run time and must match the runtime) and pyroute2 (netns)
 #   .whl/                            cp312 manylinux / pure-Python wheels of snapguard's runtime
 #                                    dependencies that the GPU machine's image lacks
 #
@@ -41,6 +51,14 @@
 # SNAPGUARD_PY312 (a Python 3.12 for the import test; found under pyenv when unset).
 set -euo pipefail
 
+K8S=0
+for arg; do
+  case $arg in
+    --k8s) K8S=1 ;;
+    *) printf 'build-carry: unknown argument %s (--k8s is the one there is)\n' "$arg" >&2; exit 2 ;;
+  esac
+done
+
 cd "$(dirname "$(readlink -f "$0")")/../.."
 REPO=$(pwd)
 
@@ -66,6 +84,9 @@ WHEELS=(
   referencing==0.37.0
   rpds-py==2026.9.1
 )
+# --k8s: the lab's CRI client and network namespaces, pinned to this repo's venv
+K8S_WHEELS=(grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 pyroute2==0.9.7)
+K8S_FILES=(/opt/snapguard/compat /usr/bin/docker-registry /bin/busybox)
 # only what pip matches exactly; manylinux_2_17 (manylinux2014) is what cffi and rpds-py ship
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
   manylinux1_x86_64)
@@ -184,6 +205,25 @@ for w in "$STAGE"/whl/*.whl; do
 done
 [ "$n" -eq "${#WHEELS[@]}" ] || die "expected ${#WHEELS[@]} wheels, got $n"
 
+# --k8s: the compat stack, the registry and busybox in one xz stream; the CRI client's wheels
+if [ "$K8S" = 1 ]; then
+  for f in "${K8S_FILES[@]}"; do [ -e "$f" ] || die "no $f: run packaging/install-deps.sh first"; done
+  for f in /opt/snapguard/compat/bin/{containerd,containerd-shim-runc-v2,ctr,runc}; do
+    [ -x "$f" ] || die "no $f: run packaging/install-deps.sh first"
+  done
+  mkdir -p "$C/k8s/whl"
+  log "packing the k8s stack (xz -9e, a minute or two)"
+  tar -C / --owner=0 --group=0 -cf - "${K8S_FILES[@]#/}" | xz -T2 -9e --lzma2=dict=192MiB >"$C/k8s/stack.tar.xz"
+  k8s_req=$(for f in /opt/snapguard/compat/bin/{containerd,containerd-shim-runc-v2,ctr} /usr/bin/docker-registry; do
+    objdump -T "$f" | grep -o 'GLIBC_[0-9][0-9.]*' || true
+  done | sed 's/GLIBC_//' | sort -uV | tail -1)
+  echo "${k8s_req:-2.2.5}" >"$C/k8s/GLIBC_REQUIRED"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp "${plat_args[@]}" -d "$C/k8s/whl" "${K8S_WHEELS[@]}" \
+    >"$STAGE/pip-k8s.log" 2>&1 || { tail -20 "$STAGE/pip-k8s.log" >&2; die "pip download of the k8s wheels failed"; }
+  [ "$(ls "$C"/k8s/whl/*.whl | wc -l)" -eq "${#K8S_WHEELS[@]}" ] || die "expected ${#K8S_WHEELS[@]} k8s wheels"
+fi
+
 # glibc: the newest symbol version any carried ELF file needs (not the wheels': manylinux says)
 glibc_req=$(for f in "$C"/criu/bin/criu "$C"/criu/lib/* "$C"/criu/plugin/*.so "$C"/runc/runc "$C"/py/*.so; do
   objdump -T "$f" | grep -o 'GLIBC_[0-9][0-9.]*' || true
@@ -215,20 +255,37 @@ grep -q "Version: $CRIU_VERSION\$" <<<"$criu_v" || die "criu in the chroot says:
 runc_v=$(chroot "$R" /usr/local/sbin/runc --version 2>&1) || die "runc does not run in the chroot: $runc_v"
 grep -q "libseccomp: " <<<"$runc_v" || die "runc in the chroot says: $runc_v"
 log "chroot check: criu $CRIU_VERSION and runc $RUNC_VERSION run on glibc alone plus the carry"
+if [ "$K8S" = 1 ]; then
+  xz -dc "$C/k8s/stack.tar.xz" | tar -C "$R" -xf -
+  for cmd in "/opt/snapguard/compat/bin/containerd --version" "/opt/snapguard/compat/bin/ctr --version" \
+    "/opt/snapguard/compat/bin/containerd-shim-runc-v2 -v" "/opt/snapguard/compat/bin/runc --version" \
+    "/usr/bin/docker-registry --version" "/bin/busybox true"; do
+    # shellcheck disable=SC2086 # a fixed command line of this file
+    out=$(chroot "$R" $cmd 2>&1) || die "$cmd does not run in the chroot: $out"
+  done
+  grep -q '2\.1\.9' <<<"$(chroot "$R" /opt/snapguard/compat/bin/containerd --version)" || die "the carried containerd is not 2.1.9"
+  grep -q '^runc version 1\.3\.6' <<<"$(chroot "$R" /opt/snapguard/compat/bin/runc --version)" || die "the carried compat runc is not 1.3.6"
+  log "chroot check: containerd 2.1.9, its shim, ctr, runc 1.3.6, docker-registry and busybox run"
+fi
 
 # Check 2: under Python 3.12, the wheels install and import, and the C helper loads and agrees
 # with the pure-Python scanner. attrs and typing-extensions stand in for the GPU image's own.
+# -P: the tree under test, not the one the build runs in (the current directory), is imported.
 if [ -n "$PY312" ]; then
   { "$PY312" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
       -d "$STAGE/image-whl" 'attrs>=22.2.0' 'typing-extensions>=4.4.0' &&
     "$PY312" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-      --no-cache-dir --target "$STAGE/site" "$STAGE"/whl/*.whl "$STAGE"/image-whl/*.whl
+      --no-cache-dir --target "$STAGE/site" "$STAGE"/whl/*.whl "$STAGE"/image-whl/*.whl &&
+    if [ "$K8S" = 1 ]; then
+      "$PY312" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+        --no-cache-dir --target "$STAGE/site" "$C"/k8s/whl/*.whl
+    fi
   } >"$STAGE/pip312.log" 2>&1 || { tail -20 "$STAGE/pip312.log" >&2; die "pip under $PY312 failed"; }
   mkdir -p "$STAGE/tree"
   cp -r snapguard "$STAGE/tree/"
   find "$STAGE/tree" -name '__pycache__' -prune -exec rm -rf {} + -o -name '*.so' -exec rm -f {} +
   cp "$C/py/_procscan.abi3.so" "$STAGE/tree/snapguard/"
-  PYTHONPATH="$STAGE/tree:$STAGE/site" PYTHONDONTWRITEBYTECODE=1 "$PY312" -S -c '
+  PYTHONPATH="$STAGE/tree:$STAGE/site" PYTHONDONTWRITEBYTECODE=1 "$PY312" -S -P -c '
 import os, sys
 assert sys.version_info[:2] == (3, 12), sys.version
 import cffi, _cffi_backend, pycparser, elftools.elf.elffile, jsonschema, referencing, rpds
@@ -245,6 +302,18 @@ from snapguard.cuda import _driver
 cffi.FFI().cdef(_driver._CDEF)
 print("python %s: wheels import, _procscan loads, %d matches agree" % (sys.version.split()[0], len(c)))
 ' >&2 || die "the Python 3.12 check failed"
+  if [ "$K8S" = 1 ]; then
+    cp -r lab "$STAGE/tree/"
+    find "$STAGE/tree/lab" -name '__pycache__' -prune -exec rm -rf {} +
+    PYTHONPATH="$STAGE/tree:$STAGE/tree/lab:$STAGE/site" PYTHONDONTWRITEBYTECODE=1 "$PY312" -S -P -c '
+import sys
+import grpc, pyroute2
+from snapguard_lab.cri import api
+pb, services = api()
+assert pb.CheckpointContainerRequest(container_id="x").SerializeToString() and services.RuntimeServiceStub
+print("python %s: grpcio %s compiles and loads the CRI stubs; pyroute2 imports" % (sys.version.split()[0], grpc.__version__))
+' >&2 || die "the Python 3.12 check of the k8s wheels failed"
+  fi
 else
   log "no Python 3.12 here: skipped the import check (set SNAPGUARD_PY312)"
 fi
@@ -260,6 +329,10 @@ fi
   echo "libraries: $(cd "$C/criu/lib" && echo *)"
   echo "_procscan.abi3.so built by $("$BUILD_PY" -c 'import sys, cffi; print("Python", sys.version.split()[0], "cffi", cffi.__version__)')"
   echo "wheels: $(cd "$STAGE/whl" && echo *.whl)"
+  if [ "$K8S" = 1 ]; then
+    echo "k8s: stack.tar.xz of ${K8S_FILES[*]} (compat: $(tr '\n' ' ' </opt/snapguard/compat/PACKAGES | cut -c1-300)), needs glibc >= $(cat "$C/k8s/GLIBC_REQUIRED")"
+    echo "k8s wheels: $(cd "$C/k8s/whl" && echo *.whl)"
+  fi
 } >"$C/BUILD-INFO"
 chmod -R go-w "$C" "$STAGE/whl"
 chmod 0644 "$STAGE"/whl/*.whl

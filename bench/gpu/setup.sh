@@ -8,7 +8,10 @@
 # the take points' spills, the wheels in /tmp/site, the C helper in this
 # repo copy's snapguard/, and the wrappers cuda-checkpoint (snapguard's, at the pinned path where
 # NVIDIA's binary would be: the GPU machine has none), snapguard, snapguard-runc and snapguard-lab
-# (lab/, the drills) in /usr/local/bin. Then exports PYTHONPATH (repo, lab, /tmp/site) and
+# (lab/, the drills) in /usr/local/bin. With a carry built by `build-carry.sh --k8s` (.carry/k8s/,
+# for bench/gpu/k8s_loop.py) also containerd 2.1.9, its shim, ctr and runc 1.3.6 (its own glibc) in
+# /opt/snapguard/compat, docker-registry at /usr/bin/docker-registry, busybox at /bin/busybox where
+# the machine has none, and the CRI client's wheels in /tmp/site. Then exports PYTHONPATH (repo, lab, /tmp/site) and
 # snapguard's settings.
 #
 # snapguard refuses binaries and directories that anyone but root could change (snapguard/trust/),
@@ -55,14 +58,41 @@ install -o 0 -g 0 -m 0755 .carry/py/_procscan.abi3.so snapguard/_procscan.abi3.s
 out=$(/usr/local/sbin/criu --version 2>&1) || die "criu does not run: $(head -1 <<<"$out")"
 out=$(/usr/local/sbin/runc --version 2>&1) || die "runc does not run: $(head -1 <<<"$out")"
 
+# --k8s: the compat stack (containerd 2.1.9, shim, ctr, runc 1.3.6), the registry, busybox
+wheels=(.whl/*.whl)
+if [ -d .carry/k8s ]; then
+  [ -f .carry/k8s/stack.tar.xz ] && [ -f .carry/k8s/GLIBC_REQUIRED ] || die "incomplete .carry/k8s: rebuild with build-carry.sh --k8s"
+  need=$(cat .carry/k8s/GLIBC_REQUIRED)
+  [ "$(printf '%s\n' "$need" "$have" | sort -V | head -1)" = "$need" ] ||
+    die "glibc $have here, the carried containerd and docker-registry need $need"
+  kstamp=$(sha256sum <.carry/k8s/stack.tar.xz | cut -c1-16)
+  if [ "$(cat /opt/snapguard/compat/.snapguard-stack 2>/dev/null)" != "$kstamp" ]; then
+    kt=$(mktemp -d)
+    xz -dc .carry/k8s/stack.tar.xz | tar -C "$kt" --no-same-owner -xf -
+    chown -R 0:0 "$kt"
+    chmod -R go-w "$kt"
+    install -d -o 0 -g 0 -m 0755 /opt/snapguard
+    rm -rf /opt/snapguard/compat
+    mv "$kt/opt/snapguard/compat" /opt/snapguard/compat
+    install -o 0 -g 0 -m 0755 "$kt/usr/bin/docker-registry" /usr/bin/docker-registry
+    [ -e /bin/busybox ] || install -o 0 -g 0 -m 0755 "$kt/bin/busybox" /bin/busybox
+    rm -rf "$kt"
+    echo "$kstamp" >/opt/snapguard/compat/.snapguard-stack
+  fi
+  out=$(/opt/snapguard/compat/bin/containerd --version 2>&1) || die "containerd does not run: $(head -1 <<<"$out")"
+  out=$(/opt/snapguard/compat/bin/runc --version 2>&1) || die "the compat runc does not run: $(head -1 <<<"$out")"
+  out=$(/usr/bin/docker-registry --version 2>&1) || die "docker-registry does not run: $(head -1 <<<"$out")"
+  wheels+=(.carry/k8s/whl/*.whl)
+fi
+
 PY=$(command -v python3) || die "no python3 on PATH"
 # the wheels, once per set of wheels (a warm machine keeps /tmp/site)
-stamp=$(cd .whl && sha256sum -- *.whl | sha256sum | cut -c1-16)
+stamp=$(sha256sum -- "${wheels[@]}" | sed 's#  .*/#  #' | sha256sum | cut -c1-16)
 if [ "$(cat /tmp/site/.snapguard-wheels 2>/dev/null)" != "$stamp" ]; then
   rm -rf /tmp/site
   install -d -o 0 -g 0 -m 0755 /tmp/site
   out=$("$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1) || die "pip install of .whl failed: $(tail -1 <<<"$out")"
+    --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" 2>&1) || die "pip install of the wheels failed: $(tail -1 <<<"$out")"
   echo "$stamp" >/tmp/site/.snapguard-wheels
 fi
 chown -R 0:0 /tmp/site
@@ -104,6 +134,10 @@ sys.path.insert(0, repo)
 from snapguard.trust import UntrustedPathError, check_trusted_libdir, resolve_trusted
 checks = [(p, "exec") for p in ("/usr/local/sbin/criu", "/usr/local/sbin/runc", "/usr/local/bin/cuda-checkpoint",
                                 "/usr/local/bin/snapguard", "/usr/local/bin/snapguard-runc", "/usr/local/bin/snapguard-lab")]
+if os.path.isdir(repo + "/.carry/k8s"):
+    checks += [(p, "exec") for p in ("/opt/snapguard/compat/bin/containerd", "/opt/snapguard/compat/bin/ctr",
+                                     "/opt/snapguard/compat/bin/containerd-shim-runc-v2",
+                                     "/opt/snapguard/compat/bin/runc", "/usr/bin/docker-registry")]
 checks += [(p, "dir") for p in ("/opt/snapguard-criu/lib", "/tmp/site", repo, repo + "/snapguard", repo + "/lab")]
 try:
     for path, kind in checks:
