@@ -574,6 +574,7 @@ def _read(path: Path) -> str:
 
 def _sg_dump(ck: dict[str, Any]) -> dict[str, Any]:
     return {"image_bytes": ck["image_bytes"], "checkpoint_timings": ck["timings"], "dump_marks": ck["criu_marks"],
+            "preflight_checks_s": ck.get("preflight_checks_s", {}),
             "take_point": ck["take_point"], "warnings": [w["reason"] for w in ck["warnings"]],
             "checkpoint_counts": ck.get("counts", {})}
 
@@ -786,6 +787,10 @@ def main() -> int:
                     "(file: torch.save + DCP async_save in one trainer, then the torch.save resume)")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: "
                     "\"--device cpu --batch 1\")")
+    ap.add_argument("--trainer", choices=("drill", "host-data"), default="drill",
+                    help="drill: the torch workload's train.py; host-data: bench/gpu/host_data_trainer.py, the same "
+                         "model reading its batches from a tokenized dataset held in CPU memory (give its size in "
+                         "--trainer-args \"--host-data-gb N\")")
     ap.add_argument("--steps", type=int, default=100000,
                     help="train.py --steps of every trainer: a cap, each is killed when its arm is done")
     ap.add_argument("--at", type=int, default=15, help="the first snapshot or save after this step")
@@ -816,6 +821,9 @@ def main() -> int:
     if os.geteuid() != 0:
         print("scaling.py: must run as root (CRIU)", file=sys.stderr)
         return 2
+    if args.trainer == "host-data":  # torch_drill.Trainer starts whatever its module's TRAIN names
+        import snapguard_lab.torch_drill as drill
+        drill.TRAIN = Path(__file__).resolve().with_name("host_data_trainer.py")
     config = load()
     base = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(
         prefix="snapguard-scaling-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
@@ -828,7 +836,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "versions": versions(config),
         "workdir": str(base), "budget_s": args.budget_s, "at": args.at, "gap": args.gap, "arms": arms,
-        "trainer_args": args.trainer_args, "take_drop_grads": DROP_GRADS, "take_offload": OFFLOAD, "ceilings_gb_s": CEILINGS_GB_S,
+        "trainer": args.trainer, "trainer_args": args.trainer_args, "take_drop_grads": DROP_GRADS, "take_offload": OFFLOAD, "ceilings_gb_s": CEILINGS_GB_S,
         "sizes": [],
         "notes": ["stall: longest gap between step timestamps spanning the snapshot (or save), less the median step",
                   "restore: restore call -> first new step logged; torch.save resume: process launch -> first step",
