@@ -75,8 +75,8 @@ class OptionalBuildExt(build_ext):
 
 
 # cffi builds the helper for the stable ABI (it defines Py_LIMITED_API and marks the extension
-# py_limited_api, so it is named _procscan.abi3.so); the wheel is tagged to match (cp311-abi3), so one
-# wheel serves CPython 3.11 and every later 3.x.
+# py_limited_api, so it is named _procscan.abi3.so); the wheel is tagged to match (cp310-abi3), so one
+# wheel serves CPython 3.10 and every later 3.x.
 setup(cffi_modules=["c_helpers/build_procscan.py:ffibuilder"],
       cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithLauncher, "sdist": SdistWithCHelpers},
-      options={"bdist_wheel": {"py_limited_api": "cp311"}})
+      options={"bdist_wheel": {"py_limited_api": "cp310"}})

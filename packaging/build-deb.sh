@@ -3,7 +3,7 @@
 #   packaging/build-deb.sh [OUT]
 # The package carries wheels, not a venv (a venv is tied to the Python it was made with): the wheel
 # built from this repository (SNAPGUARD_WHEEL names a prebuilt one instead), its dependencies with
-# the `s3`, `metrics` and `k8s` extras for CPython 3.11, 3.12 and 3.13 (manylinux, from the package index),
+# the `s3`, `metrics` and `k8s` extras for CPython 3.10, 3.11, 3.12 and 3.13 (manylinux, from the package index),
 # and pip's own wheel; its postinst builds /opt/snapguard/venv from them for the node's python3,
 # offline. snapguard-runc's C launcher is compiled here, for /etc/snapguard/config.toml, with the
 # pinned compiler (`snapguard install` installs it; no compiler on the node). dpkg-buildpackage packs
@@ -64,7 +64,7 @@ py=${SNAPGUARD_PYTHON:-$repo/.venv/bin/python}
 [ -x "$py" ] || py=python3
 mkdir -p "$src/wheels"
 cp "$src/dist/$wheel" "$src/wheels/"
-for v in 3.11 3.12 3.13; do
+for v in 3.10 3.11 3.12 3.13; do
   "$py" -m pip download -q --disable-pip-version-check --no-input --only-binary=:all: -d "$src/wheels" \
     --implementation cp --python-version "$v" --abi "cp${v/./}" --abi abi3 --abi none \
     --platform linux_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -52,10 +52,17 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork: the child only calls it
 
 
+# Each child leads its own process group: Popen's process_group=0 from Python 3.11; on 3.10 the
+# same setpgid(0, 0), made by the child's step before exec.
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+
+
 def _dies_with(parent: int) -> Callable[[], None]:
     """The child's step before exec: SIGKILL when its parent thread ends; and, when the parent is
     already gone (it died before the signal was set), exit at once."""
     def die_with_parent() -> None:
+        if not _OWN_GROUP:
+            os.setpgid(0, 0)
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:
             os._exit(127)
@@ -109,7 +116,7 @@ class _Watchdog:
                 try:
                     self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(r)], pass_fds=(r,),
                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                 process_group=0, env={})
+                                                 env={}, **(_OWN_GROUP or {"preexec_fn": os.setpgrp}))
                 except (OSError, subprocess.SubprocessError, ValueError):
                     os.close(w)
                     return  # no watchdog: the records and the next run's sweep remain
@@ -253,7 +260,7 @@ def run(argv: list[str], *, timeout_s: float, what: str, reason: Reason, env: Ma
     finishing (CRIU ends a stopped dump's tree itself), then its group is killed and the caller
     gets `pointless_reason` with that why."""
     try:
-        proc = subprocess.Popen(argv, env=_environment(env), close_fds=not inherit_fds, process_group=0,
+        proc = subprocess.Popen(argv, env=_environment(env), close_fds=not inherit_fds, **_OWN_GROUP,
                                 stdin=None if inherit_fds else subprocess.DEVNULL, preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None
@@ -311,7 +318,7 @@ def run_captured(argv: list[str], *, timeout_s: float, what: str, reason: Reason
     """Run argv with its output captured (text, undecodable bytes replaced) within timeout_s."""
     try:
         proc = subprocess.Popen(argv, env=_environment(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace", process_group=0,
+                                stderr=subprocess.PIPE, text=True, errors="replace", **_OWN_GROUP,
                                 preexec_fn=_dies_with(os.getpid()))
     except OSError as e:
         raise _start_error(argv, what, e, start_reason or reason) from None

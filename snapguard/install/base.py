@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11: the same parser, as the tomli package
+    import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
 from typing import Any
 
 from ..files import write_atomic

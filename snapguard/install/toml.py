@@ -7,7 +7,11 @@ top-level key of a file it did not write, every other line as it was.
 from __future__ import annotations
 
 import re
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11: the same parser, as the tomli package
+    import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
 from typing import Any
 
 from .base import fail

@@ -85,14 +85,14 @@ def _site(venv: Path) -> Path:
 
 
 def test_wheel_is_abi3_and_carries_the_runtime_files(wheel: Path) -> None:
-    assert "-cp311-abi3-linux_x86_64" in wheel.name
+    assert "-cp310-abi3-linux_x86_64" in wheel.name
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         meta = email.parser.Parser().parsestr(zf.read("snapguard-0.1.0.dist-info/METADATA").decode())
         tags = email.parser.Parser().parsestr(zf.read("snapguard-0.1.0.dist-info/WHEEL").decode()).get_all("Tag")
         entry_points = zf.read("snapguard-0.1.0.dist-info/entry_points.txt").decode()
         so = zf.read("snapguard/_procscan.abi3.so")
-    assert tags == ["cp311-abi3-linux_x86_64"]
+    assert tags == ["cp310-abi3-linux_x86_64"]
     assert [f for f in [*RUNTIME_FILES, *LAUNCHER_FILES] if f not in names] == []
     with zipfile.ZipFile(wheel) as zf:
         for name, source in LAUNCHER_FILES.items():
