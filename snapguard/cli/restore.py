@@ -110,7 +110,7 @@ def _restore_from(args: argparse.Namespace) -> int:
         result = pipeline.restore_from(args.store, config, job=args.job, image=args.image, images=args.images,
                                        tcp_established=args.tcp_established, file_checkpoint=args.file_checkpoint,
                                        device_map=args.device_map, force=args.force,
-                                       progress_stream=progress(args))
+                                       progress_stream=progress(args), rendezvous=args.rendezvous)
     except Exception as e:
         failure = failure_from(e)
         fallback = failure.evidence.get("file_checkpoint") or args.file_checkpoint

@@ -311,7 +311,7 @@ def mark_fallback(e: SnapguardError, job: str | None, fallback: str | None) -> N
 def restore_from(url: str, config: Config, *, job: str | None = None, image: str | None = None,
                  images: str | None = None, tcp_established: bool = False, file_checkpoint: str | None = None,
                  device_map: DeviceMap | None = None, force: bool = False,
-                 progress_stream: TextIO | None = None) -> dict[str, Any]:
+                 progress_stream: TextIO | None = None, rendezvous: str | None = None) -> dict[str, Any]:
     """Fetch and restore a bare process tree, fenced (`fetch_fenced`, the host checks running
     meanwhile, then `run_fenced`: the one restore sequence, which reads the image once more only
     for what was not verified as it was written, the epoch taken right before CRIU). `force`:
@@ -320,7 +320,7 @@ def restore_from(url: str, config: Config, *, job: str | None = None, image: str
                        progress_stream=progress_stream, defer_epoch=True, force=force)
     try:
         req = Request(got.image_dir, tcp_established=tcp_established, timeouts=Timeouts.from_config(config),
-                      device_map=device_map, verified_digests=got.verified)
+                      device_map=device_map, verified_digests=got.verified, rendezvous=rendezvous)
         result = run_fenced(got, CriuRunner(config.criu), req, config)
     except SnapguardError as e:
         mark_fallback(e, got.job, got.fallback)
