@@ -195,6 +195,9 @@ class Reason(enum.Enum):
                          "raise criu_timeout_s or find what CRIU waited on in its log; the workload was brought back")
     RUNC_TIMEOUT = _Meta("runc did not finish within snapguard's deadline and was killed", C, True,
                          "raise criu_timeout_s or look for a stuck runc; the workload was brought back")
+    WORKLOAD_FROZEN = _Meta("the workload is frozen or stopped, so its take point and the CUDA driver's lock cannot "
+                            "reach it", C, True, "resume it (runc resume, SIGCONT) and retry; nothing was frozen by "
+                            "snapguard")
     IMAGE_WRITE_FAILED = _Meta("the manifest or checksums could not be written into the image", C, True,
                                "check space and permissions of the image path")
 

@@ -37,6 +37,10 @@ class Runner(Protocol):
 
     def after_failed_dump(self) -> None: ...
 
+    def thaw(self) -> bool: ...
+
+    def settle(self) -> None: ...
+
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int: ...
 
     def restored_pid(self, req: Request) -> int: ...
@@ -73,6 +77,12 @@ class CriuRunner:
 
     def after_failed_dump(self) -> None:
         pass  # CRIU seized the tree with ptrace: its end, even a kill, lets the tree go on
+
+    def thaw(self) -> bool:
+        return False  # a bare tree has no freezer of snapguard's to undo
+
+    def settle(self) -> None:
+        pass
 
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
         pidfile = req.path(RESTORED_PIDFILE)
@@ -114,6 +124,7 @@ class RuncRunner:
         self.container_id = container_id
         self.pid_file = pid_file
         self.status_before: str | None = None
+        self.thawed = False  # `thaw` resumed the paused container; `settle` pauses it again
         self.log = log  # runc's --log: where runc says why it failed when CRIU never ran
         self.log_format = log_format
         self._log_offset = 0
@@ -147,14 +158,48 @@ class RuncRunner:
         return self._run(req, env, "checkpoint", pointless=_died(self.target_pid()))
 
     def after_failed_dump(self) -> None:
-        """CRIU freezes a container's cgroup: a runc or CRIU killed mid-dump leaves it frozen."""
+        """CRIU freezes a container's cgroup: a runc or CRIU killed mid-dump leaves it frozen
+        (a thawed one too: its trainers are released before `settle` pauses it again)."""
         try:
             now = runc.state(self.runc, self.root, self.container_id).get("status")
         except SnapguardError:
             return
-        if now == "paused" and self.status_before == "running":
-            children.run([self.runc, *(["--root", self.root] if self.root else []), "resume", self.container_id],
-                         timeout_s=30, what="runc resume", reason=Reason.RUNC_TIMEOUT)
+        if now == "paused" and (self.status_before == "running" or self.thawed):
+            self._runc("resume")
+
+    def _runc(self, verb: str) -> int:
+        return children.run([self.runc, *(["--root", self.root] if self.root else []), verb, self.container_id],
+                            timeout_s=30, what=f"runc {verb}", reason=Reason.RUNC_TIMEOUT)
+
+    def thaw(self) -> bool:
+        """A paused container resumed (containerd's CRI pauses the task before it asks the runtime
+        for a checkpoint): a frozen trainer cannot answer its take point, nor a frozen CUDA
+        process the driver's lock. runc's CRIU freezes the container itself for the dump.
+        Whether it was thawed; WORKLOAD_FROZEN when runc cannot resume it."""
+        if self.status_before != "paused":
+            return False
+        rc = self._runc("resume")
+        if rc != 0:
+            raise SnapguardError(Reason.WORKLOAD_FROZEN, f"container {self.container_id} is paused and `runc resume` "
+                                 f"exited {rc}: its take point and CUDA processes cannot be reached frozen",
+                                 evidence={"container": self.container_id, "status": "paused", "exit": rc})
+        self.thawed = True
+        return True
+
+    def settle(self) -> None:
+        """A container `thaw` resumed, paused again once the snapshot let go of it, as containerd
+        left it (its client resumes the task after the checkpoint, and its shim holds it paused
+        until then, answering `paused` to every status); one a stop checkpoint ended is left so.
+        Never raises: a pause that fails leaves the container running, and containerd's client
+        ignores the failed resume that follows."""
+        if not self.thawed:
+            return
+        self.thawed = False
+        try:
+            if runc.state(self.runc, self.root, self.container_id).get("status") == "running":
+                self._runc("pause")
+        except SnapguardError:
+            pass
 
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
         existed = self._exists()

@@ -70,6 +70,17 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         pid = runner.target_pid()
         tree = procfs.process_tree(pid)
         inv = procfs.inventory(tree)
+        # a paused container (containerd's CRI pauses it before its checkpoint) is resumed when the
+        # take point or the CUDA lock must reach it; `runner.settle` pauses it again at the end
+        hooked = [p for p in tree if take.socket_for(p)]
+        if (inv.uses_gpu or hooked) and runner.thaw():
+            steps.counts["container_thawed"] = 1
+        # one still stopped or frozen would leave the take point's question unanswered in its
+        # socket (CRIU refuses the dump for it) and cannot be held: refused, nothing frozen
+        stuck = {p: why for p in hooked if (why := gpu_suspend.frozen(p))}
+        if stuck:
+            raise SnapguardError(Reason.WORKLOAD_FROZEN, f"the take point cannot reach a process that does not run: "
+                                 f"{'; '.join(stuck.values())}; nothing was frozen", evidence={"pids": sorted(stuck)})
         report = preflight.Report(runner.describe())
         report.run("children", lambda: scopes.sweep_children(config, steps))  # what a killed executor left
         own_netns = procfs.own_netns(pid)
@@ -103,9 +114,28 @@ def _hold(stack: ExitStack, req: Request, config: Config, steps: Steps, t: _Targ
     with steps.step("take", Reason.PREFLIGHT_FAILED):
         # the node's spill directories, and the host directories containers spill into here
         mapped = tuple(where[1] for where in t.spill.values() if where is not None)
-        journal = scopes.sweep_spills(config, steps, t.report.warnings, mapped) if t.spill else None
+        swept: list[Finding] = []  # Report.warnings is computed: a finding goes in as a check's
+        journal = scopes.sweep_spills(config, steps, swept, mapped) if t.spill else None
+        if swept:
+            t.report.checks.append(preflight.CheckResult("spill-journal", swept))
         return stack.enter_context(scopes.held(t.trainers, t.cuda_pids, req.timeouts.take_wait_s, t.spill,
                                                req.image_dir, journal, at_step=req.at_step))
+
+
+def _nothing_left_connected(req: Request, t: _Target) -> None:
+    """With process groups released at the hold, a connection still open is not theirs (a group
+    made over the trainer's own store, one the take point does not wrap): CRIU would refuse it
+    only after the freeze. Refused here, before the dump, the hold released by its scope. Read
+    only for trainers whose groups were released: a single process pays nothing in its stall."""
+    if req.tcp_established or not any(preflight.groups_released(s) for s in t.trainers.values()):
+        return
+    left = procfs.tree_tcp(procfs.inventory(t.tree))
+    if left:
+        pids = sorted({c["pid"] for c in left})
+        raise SnapguardError(Reason.PROCESS_GROUP_UNREACHED,
+                             f"after the take point released its process groups, pid(s) {pids} still hold "
+                             f"{len(left)} established TCP connection(s): a group or store it does not reach",
+                             evidence={"connections": left})
 
 
 def _dump(runner: Runner, req: Request, config: Config, steps: Steps, t: _Target,
@@ -199,12 +229,18 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
     needed, the config) and runs the rest, NVML's inventory always; the timings then carry
     `host_checks_age_s`, how old they were."""
     steps = Steps()
-    t = _preflight(runner, req, config, steps, host_checks)
+    try:
+        t = _preflight(runner, req, config, steps, host_checks)
+    except BaseException:
+        runner.settle()
+        raise
     log = log_path(req, restore=False)
     with ExitStack() as stack:
+        stack.callback(runner.settle)  # last: after the trainers' release and the CUDA resume
         stack.enter_context(scopes.claimed(config, t.tree, req.image_dir))
         _image_dir(req, steps)
         hold = _hold(stack, req, config, steps, t)
+        _nothing_left_connected(req, t)
         if not req.leave_running:
             hold.copies.start()  # beside CRIU's run: the trainer is gone with it
         warnings = t.report.warnings + hold.warnings

@@ -323,7 +323,10 @@ def restore(runner: Runner, req: Request, config: Config, *,
         with steps.step("work_dir", Reason.CRIU_RESTORE_FAILED):
             files.ensure_private_dir(req.work_dir)
             if checked.wanted:
-                scopes.sweep_spills(config, steps, report.warnings)
+                swept: list[Finding] = []  # Report.warnings is computed: a finding goes in as a check's
+                scopes.sweep_spills(config, steps, swept)
+                if swept:
+                    report.checks.append(preflight.CheckResult("spill-journal", swept))
         ahead.image(checked.inspected, steps)
         rc, corrupt = _run_criu(runner, req, config, steps, manifest, options, devices, checked.digests)
         _refuse_failed(runner, req, rc, corrupt, report, log)

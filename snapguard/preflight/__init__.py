@@ -34,12 +34,13 @@ from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._report import check_error_message as check_error_message
 from .facts import HostFacts as HostFacts
+from .workload import groups_released as groups_released
 from .workload import run_checks as workload_checks
 
 T = TypeVar("T")
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
-           "HostChecks", "HostFacts", "Report", "check_error_message", "container_report", "default_requirements", "host_checks",
+           "HostChecks", "HostFacts", "Report", "check_error_message", "container_report", "default_requirements", "groups_released", "host_checks",
            "host_checks_ahead", "manifest_report", "node_report", "pid_report", "workload_checks"]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from snapguard import image
+from snapguard import gpu_suspend, image, procfs
+from snapguard.reasons import Reason, SnapguardError
+from snapguard.takepoint import client as take
 from snapguard.takepoint import site_dir
 from snapguard.takepoint.protocol import SPILL_TMPFS
 from snapguard_lab.bundles import host_bundle, release_mounts
@@ -72,11 +75,27 @@ class _Container:
         subprocess.run(["/usr/sbin/runc", "--root", str(self.root), "delete", "--force", self.cid], capture_output=True)
         release_mounts(self.bundle)
 
-    def checkpoint(self, img: Path, work: Path, leave_running: bool) -> None:
+    def runc(self, *args: str) -> str:
+        """The real runc on the container (`pause`, `resume`, `state`): its output."""
+        done = subprocess.run(["/usr/sbin/runc", "--root", str(self.root), *args, self.cid], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def status(self) -> str:
+        """runc's status of the container; "gone" once runc deleted it (a stop checkpoint)."""
+        done = subprocess.run(["/usr/sbin/runc", "--root", str(self.root), "state", self.cid], capture_output=True,
+                              text=True, timeout=30)
+        return str(json.loads(done.stdout)["status"]) if done.returncode == 0 else "gone"
+
+    def attempt(self, img: Path, work: Path, leave_running: bool) -> subprocess.CompletedProcess[str]:
         flags = ["--leave-running"] if leave_running else []
-        ck = subprocess.run([*self.executor, "checkpoint", "--image-path", str(img), "--work-path", str(work),
-                             "--tcp-established", *flags, self.cid], capture_output=True, text=True, timeout=120,
-                            env=self.env)
+        return subprocess.run([*self.executor, "checkpoint", "--image-path", str(img), "--work-path", str(work),
+                               "--tcp-established", *flags, self.cid], capture_output=True, text=True, timeout=120,
+                              env=self.env)
+
+    def checkpoint(self, img: Path, work: Path, leave_running: bool) -> None:
+        ck = self.attempt(img, work, leave_running)
         assert ck.returncode == 0, ck.stderr
 
     def restore(self, img: Path) -> None:
@@ -137,3 +156,50 @@ def test_container_spills_through_a_bind_of_a_host_tmpfs(leave_running: bool, tm
             box.restore(img)
         assert job.mismatches(reference) == []
         assert not list(spill.iterdir()), "the reloaded trainer's spill was left in the host's directory"
+
+
+def test_paused_container_is_thawed_for_the_take_point(tmp_path: Path, snapguard_runc: str,
+                                                      reference: DdpJob) -> None:
+    """containerd's CRI pauses a task (the cgroup freezer) before it asks the runtime for a
+    checkpoint, and resumes it after. A frozen trainer answers no take point and a frozen CUDA
+    process no driver lock: the CUDA step refuses one at once (WORKLOAD_FROZEN, not a wait that
+    never ends), and snapguard-runc resumes the container for the hold, lets CRIU freeze it, and
+    leaves it paused again after a leave-running checkpoint (as containerd left it), ended after a
+    stop checkpoint. The trainer is held both times and goes on bit for bit. A trainer stopped
+    (SIGSTOP: no runc resume undoes it) is refused at once, typed, before the take point asks it
+    anything, and goes on when continued."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = DdpJob(out, 1, STEPS)
+    with _Container(tmp_path, snapguard_runc, make_bundle(tmp_path, out), f"paused-{os.getpid()}") as box:
+        job.wait_step(5)
+        box.runc("pause")
+        pid = int(json.loads(box.runc("state"))["pid"])
+        with pytest.raises(SnapguardError) as refused:
+            gpu_suspend.suspend([pid], 60.0)
+        assert refused.value.reason is Reason.WORKLOAD_FROZEN and "frozen cgroup" in str(refused.value)
+        for leave_running in (True, False):
+            img, work = tmp_path / f"image-{int(leave_running)}", tmp_path / f"work-{int(leave_running)}"
+            box.checkpoint(img, work, leave_running)
+            result = json.loads((work / "snapguard-result.json").read_text())
+            (figures,) = result["take_point"].values()
+            assert figures["ok"], figures
+            assert result["counts"]["container_thawed"] == 1, result["counts"]
+            if leave_running:
+                assert box.status() == "paused"  # as containerd left it: its client resumes it
+                box.runc("resume")
+                job.wait_step(figures["step"] + 2)
+                box.runc("pause")
+            else:
+                assert box.status() == "gone"  # runc deletes a container its checkpoint stopped
+        box.restore(img)
+        hooked = [p for p in procfs.process_tree(int(json.loads(box.runc("state"))["pid"])) if take.socket_for(p)]
+        assert hooked
+        for p in hooked:
+            os.kill(p, signal.SIGSTOP)
+        # (asked, it would have left the question in its socket: CRIU_DUMP_FAILED after 5 s)
+        refused_ck = box.attempt(tmp_path / "image-stopped", tmp_path / "work-stopped", True)
+        assert refused_ck.returncode != 0 and "WORKLOAD_FROZEN" in refused_ck.stderr, refused_ck.stderr
+        for p in hooked:
+            os.kill(p, signal.SIGCONT)
+        assert job.mismatches(reference) == []
