@@ -221,12 +221,17 @@ class Report:
     def verdict(self) -> str:
         return _VERDICTS[self.exit_code]
 
+    def _driver_absent(self, c: CheckResult) -> bool:
+        """The driver check found no driver, so checked nothing: not "ok" beside the gpu blocker."""
+        return c.name == "nvidia-driver" and c.status == "ok" and self.host.knows("gpu") and self.host.gpu is None
+
     def to_dict(self) -> dict[str, Any]:
         out = {
             "target": self.target,
             "verdict": self.verdict,
             "exit_code": self.exit_code,
-            "checks": [c.to_dict() for c in self.checks],
+            "checks": [{**c.to_dict(), "status": "absent"} if self._driver_absent(c) else c.to_dict()
+                       for c in self.checks],
             "blockers": [f.to_dict() for f in self.blockers],
             "warnings": [f.to_dict() for f in self.warnings],
             "facts": self.facts_json(),
@@ -291,8 +296,7 @@ class Report:
         for c in self.checks:
             details = [str(f) for f in c.findings] or \
                 ([f"{c.reason.name if c.reason else ''}: {c.error}"] if c.error else [""])
-            no_driver = c.name == "nvidia-driver" and c.status == "ok" and self.host.knows("gpu") and \
-                self.host.gpu is None  # nothing was checked: not "ok" beside the gpu capability's blocker
+            no_driver = self._driver_absent(c)
             if no_driver:
                 details = [f"{Reason.GPU_DRIVER_MISSING.name}: no NVIDIA driver on this node, nothing to check"]
             for i, d in enumerate(details):

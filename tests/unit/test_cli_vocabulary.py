@@ -116,7 +116,7 @@ def test_reasons_name_explains_one_reason_with_its_remedy(capsys) -> None:
                                         "CRIU_MISSING")
 
 
-def test_preflight_text_says_absent_not_ok_without_a_driver() -> None:
+def test_preflight_says_absent_not_ok_without_a_driver() -> None:
     from snapguard.preflight import CheckResult, Report
 
     report = Report("--node")
@@ -124,6 +124,8 @@ def test_preflight_text_says_absent_not_ok_without_a_driver() -> None:
     report.checks.append(CheckResult("nvidia-driver"))
     line = next(x for x in report.to_text().splitlines() if x.startswith("nvidia-driver"))
     assert line.split()[1] == "absent" and "GPU_DRIVER_MISSING" in line
+    checks = {c["name"]: c["status"] for c in report.to_dict()["checks"]}
+    assert checks["nvidia-driver"] == "absent"  # --json says what the text says
 
 
 def test_drill_json_is_a_switch_and_the_old_path_form_an_alias(capsys) -> None:
