@@ -86,7 +86,7 @@ class Reason(enum.Enum):
 
     # host tooling
     CRIU_MISSING = _Meta("CRIU is not installed at the pinned path", P, True,
-                         "install CRIU 4.x (packaging/install-deps.sh) or fix `criu` in the config")
+                         "install CRIU 4.x (the snapguard-criu package, packaging/profiles/criu.sh) or fix `criu` in the config")
     CRIU_TOO_OLD = _Meta("CRIU is older than the oldest version snapguard supports", P, True,
                          "install CRIU 4.0 or newer")
     CRIU_BROKEN = _Meta("the pinned CRIU does not run (missing libraries, wrong architecture)", P, True,
