@@ -171,8 +171,23 @@ def _host_binds() -> list[str]:
         real = os.path.realpath(p)
         if not any(real == d or real.startswith(d + "/") for d in out):
             out.append(real)
+    out += _submounts(out)
     out += [f for f in ("/etc/ld.so.cache", "/etc/passwd", "/etc/group") if os.path.exists(f)]
     return out
+
+
+def _submounts(binds: list[str]) -> list[str]:
+    """The host's mounts below the bound directories (the GPU machine's /usr/local/nvidia under
+    /usr): containerd binds a hostPath recursively, and CRIU refuses a mount of the container it
+    is not told about (run16c: `mnt: FS mnt ./usr/local/nvidia ... unsupported`). Named as mounts
+    of their own, runc hands each to CRIU as an external bind."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point not in binds and any(point.startswith(d.rstrip("/") + "/") for d in binds):
+                found.append(point)
+    return sorted(set(found), key=lambda p: (p.count("/"), p))
 
 
 class PodRun:
