@@ -17,6 +17,7 @@ import pytest
 from snapguard import image, prefetch
 from snapguard.takepoint import protocol
 from snapguard.config import load
+from snapguard_lab.counter import values, wait_lines
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
 
@@ -24,19 +25,6 @@ from snapguard_lab.testbed import MODULUS, expected_hash
 def snapguard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "snapguard")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
-
-
-def values(log: Path) -> list[tuple[int, int]]:
-    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 2]
-
-
-def wait_lines(log: Path, n: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and len(values(log)) >= n:
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"{log} has fewer than {n} lines")
 
 
 @pytest.fixture

@@ -12,13 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from snapguard import tally
 from snapguard.store import open_store
+from snapguard_lab.counter import node_env as node
+from snapguard_lab.counter import values, wait_lines
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import expected_hash
 
@@ -26,25 +27,6 @@ pytest_plugins = ("snapguard_lab.s3",)  # rgw: one real radosgw for the session
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
 pytestmark = pytest.mark.root  # CRIU
-
-
-def values(log: Path) -> list[tuple[int, int]]:
-    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 2]
-
-
-def wait_lines(log: Path, n: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and len(values(log)) >= n:
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"{log} has fewer than {n} lines")
-
-
-def node(root: Path) -> dict[str, str]:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.toml").write_text("")
-    return {"SNAPGUARD_CONFIG": str(root / "config.toml"), "SNAPGUARD_STATE_DIR": str(root / "state")}
 
 
 def sg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ import pytest
 from snapguard import image
 from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import SPAN, Progress, SpanHasher, open_store
+from snapguard_lab.counter import node_env, values, wait_lines
 from snapguard_lab.targets import COUNTER
 from snapguard_lab.testbed import MODULUS, expected_hash
 
@@ -26,25 +27,6 @@ pytest_plugins = ("snapguard_lab.s3",)  # rgw, rgw_nodes: one real radosgw for t
 
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
 pytestmark = pytest.mark.root  # CRIU, network namespaces
-
-
-def values(log: Path) -> list[tuple[int, int]]:
-    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 2]
-
-
-def wait_lines(log: Path, n: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and len(values(log)) >= n:
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"{log} has fewer than {n} lines")
-
-
-def node_env(root: Path) -> dict[str, str]:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.toml").write_text("")
-    return {"SNAPGUARD_CONFIG": str(root / "config.toml"), "SNAPGUARD_STATE_DIR": str(root / "state")}
 
 
 def snapguard(*args: str, env: dict[str, str], preexec=None, timeout: float = 120) -> subprocess.CompletedProcess:
