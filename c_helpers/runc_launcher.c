@@ -11,7 +11,8 @@
  *   would run a verb other than checkpoint and restore, or the verb is unclear and the command
  *   line names neither;
  * - snapguard's Python entry (the snapguard-runc console script) for everything else: checkpoint,
- *   restore, and command lines it must refuse with a typed reason.
+ *   restore, command lines it must refuse with a typed reason, and the app's help (`--help`
+ *   among runc's global flags: snapguard's part first, then runc's).
  *
  * Both paths come from the pinned file SG_PIN_PATH, which `snapguard install` writes and the
  * config loader keeps in sync with the config's `runc`:
@@ -34,7 +35,8 @@
  * looked up in PATH.
  *
  * Built with -DSG_ROUTE_TEST, main() prints the route ("runc" or "snapguard") for its argv and
- * execs nothing: the test that holds this parser to the Python one runs that build.
+ * execs nothing; with -DSG_HELP_TEST as well, "help" where the app's help is asked, else "-": the
+ * tests that hold this parser to the Python one run those builds.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -64,14 +66,15 @@ enum route { ROUTE_SNAPGUARD = 0, ROUTE_RUNC = 1 };
 
 /* --- argv, as _argv.split_global and entry.decide read it ------------------------------------ */
 
+/* Go's strconv.ParseBool: 1 true, 0 false, -1 where it fails */
 static int go_parse_bool(const char *s)
 {
 	static const char *const ok[] = {"1", "t", "T", "TRUE", "true", "True",
 					 "0", "f", "F", "FALSE", "false", "False"};
 	for (size_t i = 0; i < N_TABLE(ok); i++)
 		if (strcmp(s, ok[i]) == 0)
-			return 1;
-	return 0;
+			return i < 6;
+	return -1;
 }
 
 static const struct sg_flag *global_flag(const char *name, size_t len)
@@ -83,11 +86,14 @@ static const struct sg_flag *global_flag(const char *name, size_t len)
 }
 
 /* Where runc's global flags end (Go's FlagSet.Parse, then urfave/cli's normalizeFlags): the index
- * of the verb (argc when none follows), or -1 where runc's parsing would fail. */
-static int split_global(int argc, char *const args[])
+ * of the verb (argc when none follows), or -1 where runc's parsing would fail. `*help` is set to
+ * whether the app's help flag (--help, -h) ends up true. */
+static int split_global(int argc, char *const args[], int *help)
 {
 	const struct sg_flag *seen[SG_FLAG_GROUPS] = {NULL};
 	int i = 0;
+
+	*help = 0;
 
 	while (i < argc) {
 		const char *s = args[i];
@@ -104,8 +110,11 @@ static int split_global(int argc, char *const args[])
 		if (!f)
 			return -1; /* flag provided but not defined */
 		if (!f->takes_value) {
-			if (eq && !go_parse_bool(eq + 1))
+			int on = eq ? go_parse_bool(eq + 1) : 1;
+			if (on < 0)
 				return -1;
+			if (strcmp(f->name, "help") == 0 || strcmp(f->name, "h") == 0)
+				*help = on; /* the last one given counts, as in Go's FlagSet */
 		} else {
 			const char *value = eq ? eq + 1 : NULL;
 			if (!value) {
@@ -126,7 +135,8 @@ static int split_global(int argc, char *const args[])
 /* ROUTE_RUNC exactly where entry.decide(args) is ("pass", None). */
 static enum route decide(int argc, char *const args[])
 {
-	int verb = split_global(argc, args);
+	int help;
+	int verb = split_global(argc, args, &help);
 	if (verb >= 0 && verb < argc) {
 		for (size_t i = 0; i < N_TABLE(sg_verbs); i++)
 			if (strcmp(args[verb], sg_verbs[i].name) == 0)
@@ -140,11 +150,26 @@ static enum route decide(int argc, char *const args[])
 	return ROUTE_RUNC;
 }
 
+/* 1 exactly where entry._help_asked(args) is None: the app's help is asked (`--help` among runc's
+ * global flags, which parse), so snapguard's part is shown before runc's. */
+static int app_help_asked(int argc, char *const args[])
+{
+	int help;
+	return split_global(argc, args, &help) >= 0 && help;
+}
+
 #ifdef SG_ROUTE_TEST
 
+/* the route decide() picks; built with -DSG_HELP_TEST too, whether the app's help is asked */
 int main(int argc, char *argv[])
 {
+#ifdef SG_HELP_TEST
+	(void)decide;
+	puts(app_help_asked(argc - 1, argv + 1) ? "help" : "-");
+#else
+	(void)app_help_asked;
 	puts(decide(argc - 1, argv + 1) == ROUTE_RUNC ? "runc" : "snapguard");
+#endif
 	return 0;
 }
 
@@ -364,7 +389,8 @@ int main(int argc, char *argv[])
 	static struct pin pin;
 	if (argc < 1)
 		return SG_EXIT_UNUSABLE;
-	enum route route = decide(argc - 1, argv + 1);
+	/* the app's help: snapguard's part, then runc's (the Python entry prints both) */
+	enum route route = app_help_asked(argc - 1, argv + 1) ? ROUTE_SNAPGUARD : decide(argc - 1, argv + 1);
 	if (read_pin(&pin) < 0)
 		return die("pinned file", SG_PIN_PATH);
 	if (strcmp(pin.config, SG_CONFIG_PATH) != 0) {

@@ -35,6 +35,13 @@ RUNTIME_PKGS=(runc containerd iptables busybox-static ca-certificates curl xz-ut
 STORE_PKGS=(ceph-mon ceph-osd radosgw ceph-common)
 # the package and profile tests (tests/system/test_deb.py): Debian chroots, the .deb's build
 PACKAGING_PKGS=(debootstrap debhelper dpkg-dev)
+# the zsh completion test (tests/unit/test_completion_zsh.py)
+SHELL_PKGS=(zsh)
+# the arm64 package (packaging/build-deb.sh --arch arm64) and its check under emulation
+# (packaging/check-arm64.sh): Debian's aarch64 cross compiler and libc, qemu-user-static, and from
+# the arm64 architecture (multiarch) the libc and python3's headers the cross build compiles against
+CROSS_PKGS=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static)
+# (apt moves the host's python3.X and libraries to the same versions as their :arm64 twins: multiarch)
 
 require_root
 
@@ -132,6 +139,13 @@ SRC
 apt_install "${RUNTIME_PKGS[@]}"
 apt_install "${STORE_PKGS[@]}"
 apt_install "${PACKAGING_PKGS[@]}"
+apt_install "${SHELL_PKGS[@]}"
+apt_install "${CROSS_PKGS[@]}"
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  dpkg --add-architecture arm64
+  apt_updated=0  # arm64's index is not in the lists yet
+fi
+apt_install libc6-dev:arm64 "libpython$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev:arm64"
 bash "$here/criu.sh" >/dev/null
 apt_install patchelf
 compat_ok || install_compat

@@ -3,7 +3,8 @@
 The script is static (the commands and each command's flags, as `snapguard --help` lists them,
 hidden aliases left out), so completing a word runs no Python and needs no extra package: bash
 through `complete -F`, zsh through its bashcompinit layer. Flags that take a file or directory
-complete paths; --store and the rest complete nothing of their own."""
+complete paths; --store and the rest complete nothing of their own. zsh sources the script after
+compinit (tests/unit/test_completion_zsh.py drives a real zsh through it)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def add_parser(sub: Any) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
 install:
   bash  snapguard completion bash > /etc/bash_completion.d/snapguard   (or: source <(snapguard completion bash))
-  zsh   snapguard completion zsh > "${fpath[1]}/_snapguard"            (or: source <(snapguard completion zsh))
+  zsh   snapguard completion zsh > /usr/local/share/zsh/snapguard.zsh, then in ~/.zshrc after compinit:
+        source /usr/local/share/zsh/snapguard.zsh                         (or: source <(snapguard completion zsh))
+        (a file sourced, not one in $fpath: the script binds _snapguard through zsh's bashcompinit)
 """, description="Print a completion script for the shell: commands, then each command's flags.")
     co.add_argument("shell", choices=("bash", "zsh"), help="the shell")
 

@@ -68,14 +68,15 @@ def _c_literal(text: str) -> str:
     return '"' + "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(text)) + '"'
 
 
-def build_launcher(config_path: str, *, cc: str = DEFAULT_CC, route_test: bool = False,
+def build_launcher(config_path: str, *, cc: str = DEFAULT_CC, route_test: bool = False, help_test: bool = False,
                    source_dir: str | None = None) -> bytes:
     """The launcher compiled for `config_path` (its pinned file beside it), as bytes.
 
     The compiler is the pinned `cc`, run by the canonical path that was checked, with a PATH of
     root's directories only; the sources are read through checked descriptors into a private
     directory and compiled there. `route_test` builds the program that prints the route for its
-    argv (the tests hold it to the Python parser).
+    argv, `help_test` the one that says whether the app's help is asked (the tests hold both to
+    the Python parser).
     """
     if not os.path.isabs(config_path):
         raise fail(f"the launcher's config must be an absolute path, got {config_path!r}")
@@ -101,8 +102,10 @@ def build_launcher(config_path: str, *, cc: str = DEFAULT_CC, route_test: bool =
                 f.write(raw)
         defines = [f"-DSG_CONFIG_PATH={_c_literal(config_path)}",
                    f"-DSG_PIN_PATH={_c_literal(launcher_pin_path(config_path))}"]
-        if route_test:
+        if route_test or help_test:
             defines.append("-DSG_ROUTE_TEST")
+        if help_test:
+            defines.append("-DSG_HELP_TEST")
         argv = [compiler, *LAUNCHER_CFLAGS, *defines, "-o", "launcher", LAUNCHER_SOURCES[0]]
         try:
             out = subprocess.run(argv, cwd=work, env=BUILD_ENV, capture_output=True, text=True, timeout=300,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from snapguard import config, install
+from snapguard.shim import entry
+from snapguard.shim._help import HELP
 
 RUNC = "/usr/sbin/runc"
 SNAPGUARD_RUNC = os.path.join(os.path.dirname(sys.executable), "snapguard-runc")
@@ -201,3 +203,53 @@ def test_a_pinned_file_not_roots_alone_is_refused(installed: Installed) -> None:
         _one_line_refusal(installed.run(verb, "c1"), pin)
         pin.write_bytes(good)
         assert installed.run("--version").stdout.startswith("runc version")
+
+
+def test_the_apps_help_is_snapguards_then_runcs_and_nothing_else_starts_python(installed: Installed) -> None:
+    """`snapguard-runc --help` through the launcher: snapguard's own part first, then the real
+    runc's help; `--version`, `help`, `--help=false` and `state --help` stay runc's alone, with no
+    Python started (the marker entry would log it)."""
+    for argv in (["--help"], ["-h"], ["--help=true"], ["--root", "/r", "--log-format", "json", "-help"],
+                 ["--help", "state", "c1"]):
+        out = installed.run(*argv)
+        assert out.returncode == 0, (argv, out.stderr)
+        assert out.stdout.startswith(HELP[None]), (argv, out.stdout[:200])
+        runcs = out.stdout[len(HELP[None]):]
+        assert f"runc's own help ({RUNC}):" in runcs and "USAGE:" in runcs and "checkpoint" in runcs, runcs
+    out = installed.run("restore", "--help")  # a guarded verb's help: its own part, then runc's flags
+    assert out.returncode == 0 and out.stdout.startswith(HELP["restore"]) and "--image-path" in out.stdout, out
+    calls = installed.tmp / "entry-calls"
+    marker = installed.tmp / "libexec" / "marker-entry"
+    marker.write_text(MARKER_ENTRY.format(log=calls))
+    marker.chmod(0o755)
+    installed.repin(entry=str(marker))
+    assert installed.run("--help").returncode == 99 and calls.read_text().split() == ["--help"]
+    calls.unlink()
+    for argv in (["--version"], ["help"], ["--help=false"], ["state", "--help"], ["--help", "-h"], []):
+        out = installed.run(*argv)
+        assert out.returncode != 99 and not calls.exists(), (argv, out)
+    assert "snapguard" not in installed.run("state", "--help").stdout
+
+
+def test_the_launchers_help_test_agrees_with_the_python_entry(tmp_path: Path) -> None:
+    """The launcher's reading of `--help` among runc's global flags (built with -DSG_HELP_TEST) is
+    the Python entry's (`_help_asked` is None) on every command line of a random pool."""
+    import random
+
+    program = tmp_path / "help-test"
+    program.write_bytes(install.build_launcher("/etc/snapguard/config.toml", help_test=True))
+    program.chmod(0o755)
+    rng = random.Random(32)
+    pool = ["--help", "-h", "--h", "-help", "--help=true", "--help=false", "-h=1", "-h=0", "--help=x", "--help=",
+            "--version", "--root", "/r", "--root=/r", "--debug", "--bogus", "--", "-", "", "state", "checkpoint",
+            "restore", "help", "c1"]
+    cases = [["--help"], ["-h"], ["--help", "--help=false"], ["--help=false", "--help"], ["--help", "-h"]]
+    cases += [[rng.choice(pool) for _ in range(rng.randint(0, 5))] for _ in range(300)]
+    wrong = []
+    for args in cases:
+        out = subprocess.run([str(program), *args], capture_output=True, text=True, timeout=30)
+        got, want = out.stdout.strip(), "help" if entry._help_asked(args) is None else "-"
+        if got != want:
+            wrong.append((args, got, want))
+    assert not wrong, wrong
+    assert {entry._help_asked(args) is None for args in cases} == {True, False}
