@@ -1,5 +1,6 @@
 """A ddp job (train.py over gloo) spread over the "nodes" of `netns.Nodes`, each node's ranks
-launched as torchrun's agent launches them (workloads/ddp/node_launch.py), and snapguard run
+launched as torchrun's agent launches them (workloads/ddp/node_launch.py) or by an unmodified
+torchrun itself (`start_torchrun`: its elastic agent the node's root), and snapguard run
 inside a node's network namespace, as it runs on that node: a checkpoint of the node's tree and a
 restore of it into another node (other addresses), through the `snapguard` command."""
 
@@ -19,10 +20,12 @@ from .ddp import DdpJob
 from .netns import Nodes
 from .testbed import product_root
 
-__all__ = ["NODE_LAUNCH", "NodesJob", "snapguard_in"]
+__all__ = ["NODE_LAUNCH", "NodesJob", "TORCHRUN", "snapguard_in"]
 
 NODE_LAUNCH = workloads.path("ddp", "node_launch.py")
+TRAIN = workloads.path("ddp", "train.py")
 SNAPGUARD = os.path.join(os.path.dirname(sys.executable), "snapguard")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 @dataclass
@@ -42,17 +45,31 @@ class NodesJob(DdpJob):
                    node_rank: int = 0) -> subprocess.Popen[bytes]:
         """This node's launcher, in its network namespace (None: this one), its ranks
         rendezvousing at `master`."""
+        return self._start(nodes, name, take_dir, [
+            sys.executable, str(NODE_LAUNCH), "--ranks", ",".join(map(str, ranks)), "--world", str(self.world),
+            "--node-rank", str(node_rank), "--master", master])
+
+    def start_torchrun(self, nodes: Nodes | None, name: str, rendezvous: list[str],
+                       take_dir: str | None) -> subprocess.Popen[bytes]:
+        """An unmodified `torchrun --nnodes 1 --nproc-per-node WORLD RENDEZVOUS... train.py` on
+        node `name` (its elastic agent the root of the tree); `rendezvous`: torchrun's own
+        options (`--master-addr A --master-port P` for its static rendezvous, `--standalone`)."""
+        return self._start(nodes, name, take_dir, [
+            TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(self.world), *rendezvous, str(TRAIN)])
+
+    def _start(self, nodes: Nodes | None, name: str, take_dir: str | None,
+               argv: list[str]) -> subprocess.Popen[bytes]:
         self.out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "NCCL_NVLS_ENABLE": "0"}
+        # torchrun gives its workers OMP_NUM_THREADS=1 where it is unset: every launch the same, for the same bits
+        env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore", "NCCL_NVLS_ENABLE": "0"}
         for key in ("GLOO_SOCKET_IFNAME", "USE_LIBUV", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(key, None)
         if take_dir:
             env["PYTHONPATH"] = os.pathsep.join([site_dir(), product_root()])
             env["SNAPGUARD_TAKE_DIR"] = take_dir
         log = open(self.out / f"launcher-{name}.out", "ab")
-        proc = subprocess.Popen([sys.executable, str(NODE_LAUNCH), "--ranks", ",".join(map(str, ranks)),
-                                 "--world", str(self.world), "--node-rank", str(node_rank), "--master", master,
-                                 "--out", str(self.out), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)],
+        proc = subprocess.Popen([*argv, "--out", str(self.out), "--steps", str(self.steps),
+                                 "--step-sleep", str(self.step_sleep)],
                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                 preexec_fn=nodes.enter(name) if nodes is not None else None)
         log.close()

@@ -213,11 +213,19 @@ def check_tcp(inv: Inventory, tcp_established: bool, proc: str | None = None,
     dump (they are rebuilt after it, at the job's new addresses after a restore): noted, not a
     blocker. A connection that is not the groups' is still one CRIU refuses at the dump."""
     findings = []
+    # torchrun's agent hosts its workers' store; their take point has it release its own stores
+    agents = {st[protocol.GROUPS][protocol.GROUP_STORE]["agent"]: st for st in (trainers or {}).values()
+              if groups_released(st) and "agent" in (st[protocol.GROUPS].get(protocol.GROUP_STORE) or {})}
     for p in inv.procs:
         inodes = p.socket_inodes()
         conns = procfs.established_tcp(p.pid, inodes, proc) if inodes else []
         status = (trainers or {}).get(p.pid)
-        if conns and groups_released(status) and not tcp_established:
+        if conns and p.pid in agents and status is None and not tcp_established:
+            findings.append(Finding(Reason.TCP_ESTABLISHED,
+                                    f"pid {p.pid} ({p.comm}) is torchrun's agent, with {len(conns)} established TCP "
+                                    "connection(s) of its stores, released at its workers' hold and rebuilt after it",
+                                    Severity.WARNING, {"pid": p.pid, "connections": conns, "cause": "agent-released"}))
+        elif conns and groups_released(status) and not tcp_established:
             findings.append(Finding(Reason.TCP_ESTABLISHED,
                                     f"pid {p.pid} ({p.comm}) has {len(conns)} established TCP connection(s) of its "
                                     "process groups, released at the hold and rebuilt after it: "

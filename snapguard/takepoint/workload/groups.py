@@ -4,7 +4,10 @@ runs on a backend of the take point's own (`Swappable`, registered with
 `torch.distributed.Backend.register_backend` as `sggloo` / `sgnccl`) that delegates each collective
 to a replaceable inner ProcessGroupGloo / ProcessGroupNCCL, and so that the rendezvous (env:// or
 tcp://, as torchrun's ranks make it) goes through a store the take point owns (`SwapStore`: a
-TCPStore inside, the classic server, no libuv and so no io_uring; rank 0 hosts it).
+TCPStore inside, the classic server, no libuv and so no io_uring; rank 0 hosts it). In a
+torchrun job (TORCHELASTIC_USE_AGENT_STORE=True) the agent, the workers' parent, hosts it: every
+rank is a client, and the agent, running the take point's agent side (`agent`), lets go of its
+own stores once every rank is done with it, and makes them again first at the release.
 
 At the hold every rank drains (its collectives complete, then a barrier through the store that
 every rank of the job passes), shuts its inner groups down, drops them
@@ -17,8 +20,9 @@ trainer holds keep their Python objects: only what is inside them is new.
 Not reached (the status answer lists each; the executor's preflight refuses such a job, or warns
 when --tcp-established carries its connections):
 a store the trainer passed itself, an init_method other than env:// and tcp://HOST:PORT, env://
-without MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, torchrun's agent store
-(TORCHELASTIC_USE_AGENT_STORE=True), and backends other than gloo and nccl. An NCCL collective run
+without MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, torchrun's agent store when the agent runs no
+take point (or one whose own connections it cannot release: its status says which), and
+backends other than gloo and nccl. An NCCL collective run
 under CUDA graph capture keeps the groups as they are (the graph replays its communicator).
 torch is imported only when the trainer imports torch.distributed.
 """
@@ -29,13 +33,17 @@ import gc
 import importlib.abc
 import importlib.machinery
 import os
-import socket
 import sys
 import threading
 from datetime import timedelta
 from typing import Any
 
 from .. import protocol
+from . import agent, agent_link
+from .reach import address as _address
+from .reach import agent_store as _agent_store
+from .reach import local_address
+from .reach import unreached as _unreached
 
 __all__ = ["DIST_MODULE", "GROUPS", "Groups", "InstallOnImport", "install_on", "translate_backend"]
 
@@ -64,18 +72,6 @@ def translate_backend(backend: Any) -> tuple[Any, list[str]]:
     return ",".join(parts), left
 
 
-def local_address(host: str, port: int) -> str:
-    """The address of this host on the route to the rendezvous (a UDP socket's connect sends
-    nothing): what gloo's device binds, so a rank restored elsewhere binds its new address."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, port or 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return ""
-
-
 class Groups:
     """The take point's handle on the trainer's store and groups (one per process: GROUPS)."""
 
@@ -100,7 +96,8 @@ class Groups:
                                    protocol.GROUPS_RELEASED: self.released}
             if self.store is not None:
                 out[protocol.GROUP_STORE] = {"host": self.store.host, "port": self.store.port,
-                                             "hosted": self.store.rank == 0}
+                                             "hosted": self.store.hosted(),
+                                             **({AGENT_FIELD: os.getppid()} if self.store.agent else {})}
             if self.error:
                 out[ERROR_FIELD] = self.error
             if self.captured:
@@ -137,19 +134,41 @@ class Groups:
             self.store.drop()
         gc.collect()
         self.released, self.error = True, None
-        return {"released": True, "groups": len(self.groups), "release_s": round(time.monotonic() - t0, 4)}
+        agent = self._agent_hold(step, max(timeout_s - (time.monotonic() - t0), 1.0))
+        return {"released": True, "groups": len(self.groups), "release_s": round(time.monotonic() - t0, 4),
+                **agent}
+
+    def _agent_hold(self, step: int, timeout_s: float) -> dict[str, Any]:
+        """torchrun's agent lets go of its stores (after every rank is done with the one it hosts)
+        before this rank reports its hold. Its answer's figures; an error leaves its stores as
+        they are (the executor then finds its connections and refuses the snapshot)."""
+        store = self.store
+        if store is None or not store.agent:
+            return {}
+        try:
+            answer = agent_link.ask(store.agent, f"{agent_link.HOLD} {OUT_KEY.format(step)}/all {store.port} "
+                                                 f"{timeout_s:.3f}", timeout_s + 2.0)
+        except (OSError, ValueError) as e:
+            answer = {protocol.OK: False, ERROR_FIELD: f"{type(e).__name__}: {e}"}
+        if answer.get(protocol.OK) is not True:
+            self.error = f"torchrun's agent did not release its stores: {answer.get(ERROR_FIELD)}"[:300]
+            return {ERROR_FIELD: self.error}
+        return {"agent": {k: v for k, v in answer.items() if k != protocol.OK}}
 
     def _barrier(self, step: int, timeout_s: float) -> None:
         """Every rank of the job here, through the store: not a collective of the groups, so a rank
         that is not held (its node's snapguard came late) leaves them as they were, the wait
         timing out here."""
         store = self.store
-        if store is None or store.world <= 1:
+        if store is None or (store.world <= 1 and not store.agent):
             return
         key = f"snapguard/drain/{step}"
         if store.add(key, 1) == store.world:
             store.set(f"{key}/all", b"1")
         store.wait([f"{key}/all"], timedelta(seconds=max(timeout_s, 1.0)))
+        if store.agent:  # the last operation of every rank on the agent's store: the agent then drops it
+            if store.add(OUT_KEY.format(step), 1) == store.world:
+                store.set(f"{OUT_KEY.format(step)}/all", b"1")
 
     def rebuild(self, rendezvous: str | None) -> dict[str, Any] | None:
         """After the release: the store (at `rendezvous` HOST:PORT when given), then each group."""
@@ -159,6 +178,11 @@ class Groups:
 
         t0 = time.monotonic()
         if self.store is not None:
+            if self.store.agent:  # the agent's servers first: this rank's store is one of them
+                answer = agent_link.ask(self.store.agent, f"{agent_link.REBUILD} {self.store.port}"
+                                                          f"{' ' + rendezvous if rendezvous else ''}", 120.0)
+                if answer.get(protocol.OK) is not True:
+                    raise RuntimeError(f"torchrun's agent did not rebuild its stores: {answer.get(ERROR_FIELD)}")
             if rendezvous:
                 self.store.host, self.store.port = protocol.parse_rendezvous(rendezvous)
             self.store.connect()
@@ -170,6 +194,8 @@ class Groups:
 
 
 ERROR_FIELD = protocol.ERROR
+AGENT_FIELD = "agent"  # GROUP_STORE's field: the pid of torchrun's agent, which hosts the store
+OUT_KEY = "snapguard/drain/{}/out"  # every rank's last operation on the agent's store at a hold
 GROUPS = Groups()
 
 
@@ -180,14 +206,19 @@ def _classes(dist: Any) -> tuple[type, type]:
     class SwapStore(dist.Store):  # type: ignore[misc,name-defined]
         """The rendezvous store every group's keys go through: a TCPStore inside, replaceable."""
 
-        def __init__(self, host: str, port: int, rank: int, world: int, timeout: timedelta) -> None:
+        def __init__(self, host: str, port: int, rank: int, world: int, timeout: timedelta,
+                     agent: str | None = None) -> None:
             super().__init__()
             self.host, self.port, self.rank, self.world, self.limit = host, port, rank, world, timeout
+            self.agent = agent  # torchrun's agent's socket: the agent hosts the store
             self.inner: Any = None
             self.connect()
 
+        def hosted(self) -> bool:
+            return self.rank == 0 and not self.agent
+
         def connect(self) -> None:
-            self.inner = dist.TCPStore(self.host, self.port, self.world, is_master=self.rank == 0,
+            self.inner = dist.TCPStore(self.host, self.port, self.world, is_master=self.hosted(),
                                        timeout=self.limit, wait_for_workers=False, use_libuv=False)
 
         def drop(self) -> None:
@@ -343,6 +374,7 @@ def install_on(module: Any) -> None:
     and register the take point's backends. Called once that module has executed."""
     import torch._C._distributed_c10d as c10d
 
+    agent.install()  # should this process be torchrun's agent: its side of the hold
     SwapStore, Swappable = _classes(c10d)
     backend_class = module.Backend
     for kind, name in KINDS.items():
@@ -373,7 +405,8 @@ def install_on(module: Any) -> None:
         host, port = _address(init_method)
         rank = rank if rank >= 0 else int(os.environ["RANK"])
         world_size = world_size if world_size > 0 else int(os.environ["WORLD_SIZE"])
-        GROUPS.store = SwapStore(host, port, rank, world_size, timeout or DEFAULT_TIMEOUT)
+        agent = agent_link.parent_agent() if _agent_store() else None
+        GROUPS.store = SwapStore(host, port, rank, world_size, timeout or DEFAULT_TIMEOUT, agent)
         return original_init(backend, None, timeout, world_size, rank, GROUPS.store, *args, **kwargs)
 
     def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -385,26 +418,3 @@ def install_on(module: Any) -> None:
 
     init_process_group.__doc__, new_group.__doc__ = original_init.__doc__, original_new.__doc__
     module.init_process_group, module.new_group = init_process_group, new_group
-
-
-def _unreached(init_method: str | None, store: Any, rank: int = -1, world_size: int = -1) -> str | None:
-    """Why the take point cannot own this init's rendezvous (one line), or None."""
-    if store is not None:
-        return "init_process_group was given a store of the trainer's: not released at the hold"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return "torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True): not released at the hold"
-    if init_method not in (None, "env://") and not (str(init_method).startswith("tcp://") and "?" not in init_method):
-        return f"init_method {str(init_method)[:80]}: only env:// and tcp://HOST:PORT are released at the hold"
-    if init_method in (None, "env://") and not (os.environ.get("MASTER_ADDR") and
-                                                 os.environ.get("MASTER_PORT", "").isdigit()):
-        return "env:// without MASTER_ADDR and MASTER_PORT: torch.distributed's own rendezvous is used"
-    for name, given in (("RANK", rank >= 0), ("WORLD_SIZE", world_size > 0)):
-        if not given and not os.environ.get(name, "").isdigit():
-            return f"no {name} given or in the environment: torch.distributed's own rendezvous is used"
-    return None
-
-
-def _address(init_method: str | None) -> tuple[str, int]:
-    if init_method and init_method.startswith("tcp://"):
-        return protocol.parse_rendezvous(init_method[len("tcp://"):].split("?", 1)[0])
-    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

@@ -1,0 +1,83 @@
+"""An unmodified `torchrun --nnodes 1 --nproc-per-node 2 train.py` job (gloo), its elastic agent the
+root of the tree and the take point in every process of it (the agent included), snapshotted by
+snapguard as a bare tree: the workers release their groups and their store, the agent its stores
+(the server its workers use among them), so that the image holds no TCP connection and CRIU runs
+without --tcp-established. Leave-running, then stop + restore into another network namespace
+(another address: the restore names the store's new one with --rendezvous, or, for --standalone,
+whose store is on `localhost`, none); the loss bits of every step and the final state equal an
+uninterrupted run's. Real torchrun, torch (CPU), CRIU, netns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from snapguard_lab.gloo_nodes import NodesJob, snapguard_in
+from snapguard_lab.netns import Nodes
+
+pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.root, pytest.mark.stack]
+
+STEPS = {"static": 80, "standalone": 45}  # a few past the last snapshot's step: the run after it is short
+STEP_SLEEP = 0.15  # seconds per step outside the math: the steps' pace is the sleep's, whatever the load
+AHEAD_S = 4.0  # the common step is this far ahead: snapguard has started and asked by then
+PORT = 29531
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return {"SNAPGUARD_CONFIG": str(cfg), "SNAPGUARD_STATE_DIR": str(tmp_path / "state")}
+
+
+def checkpoint(job: NodesJob, nodes: Nodes, pid: int, img: Path, env: dict[str, str], leave_running: bool) -> dict:
+    at = max(max(job.rows(r)) for r in range(job.world)) + int(AHEAD_S / job.step_sleep) + 2
+    assert at < job.steps - 2, f"the job is at step {at} already: too slow a machine for this test"
+    done = snapguard_in(nodes, "a", ["checkpoint", "--pid", str(pid), "--images", str(img), "--take-wait", "20",
+                                     "--at-step", str(at), *(["--leave-running"] if leave_running else [])], env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    record = done.stdout
+    held = list(record["take_point"].values())
+    assert len(held) == 2 and {f["step"] for f in held} == {at}, held  # the workers, not the agent
+    for f in held:
+        groups = f["process_groups"]
+        assert groups["released"] is True and groups["store"]["agent"] == pid and "agent" in groups, groups
+    # preflight named the agent's connections as released at the hold (no --tcp-established)
+    assert any("torchrun's agent" in w["detail"] for w in record["warnings"]), record["warnings"]
+    return record
+
+
+@pytest.mark.parametrize("flavour", ["static", "standalone"])
+def test_torchrun_job_leave_running_then_restored_elsewhere(tmp_path: Path, env: dict[str, str],
+                                                            flavour: str) -> None:
+    with Nodes(["a"], subnet="169.254.83") as first, Nodes(["c"], subnet="169.254.84") as second:
+        ref = NodesJob(tmp_path / "ref", 2, STEPS[flavour])
+        reference = ref.start_reference()  # meanwhile
+        job = NodesJob(tmp_path / "job", 2, STEPS[flavour], step_sleep=STEP_SLEEP)
+        take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
+        static = flavour == "static"
+        rendezvous = ["--master-addr", first.addresses["a"], "--master-port", str(PORT)] if static else ["--standalone"]
+        proc = job.start_torchrun(first, "a", rendezvous, take)
+        try:
+            job.wait_step(3)
+            if static:  # the agent rebuilds its stores in place, its workers reconnect
+                checkpoint(job, first, proc.pid, tmp_path / "live", env, leave_running=True)
+                job.wait_step(max(job.rows(0)) + 3)
+            checkpoint(job, first, proc.pid, tmp_path / "img", env, leave_running=False)
+            proc.wait(timeout=30)
+            args = ["restore", "--images", str(tmp_path / "img")]
+            if static:
+                args += ["--rendezvous", f"{second.addresses['c']}:{PORT + 1}"]
+            done = snapguard_in(second, "c", args, env)
+            assert done.returncode == 0, (done.stdout, done.stderr)
+            assert os.stat(f"/proc/{done.stdout['pid']}/ns/net").st_ino == \
+                os.stat(f"/var/run/netns/{second.ns('c')}").st_ino
+            assert reference.wait(timeout=120) == 0
+            assert job.mismatches(ref) == []
+        finally:
+            subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)
