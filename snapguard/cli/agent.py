@@ -75,8 +75,9 @@ def add_parser(sub: Any) -> None:
                     "several run at once, the first notice wins)")
     ag.add_argument("--store", metavar="URL", help="image store URL (snapguard.store); without it images stay local")
     ag.add_argument("--textfile", metavar="DIR", help="write snapguard_agent_store_writable (1 when the store took "
-                    "a probe write at start) to DIR/snapguard-agent.prom for node-exporter's textfile collector "
-                    "(default <state_dir>/agent/snapguard-agent.prom)")
+                    "a probe write at start) and, after each notice, snapguard_agent_last_notice_snapshotted{job} "
+                    "and snapguard_agent_last_notice_fell_back{job,reason} to DIR/snapguard-agent.prom for "
+                    "node-exporter's textfile collector (default <state_dir>/agent/snapguard-agent.prom)")
     ag.add_argument("--metrics-port", type=port_number, metavar="PORT",
                     help="serve the node's operations metrics (snapguard_snapshots_total, ...; extra `metrics`) "
                     "in Prometheus' text format at http://ADDRESS:PORT/metrics (default: not served)")
@@ -109,12 +110,14 @@ def add_parser(sub: Any) -> None:
                     help="the CRI path: list this node's opted-in pods (RuntimeClass handler `snapguard`, annotation "
                          "snapguard.io/job) on containerd's CRI socket PATH and, on a notice, take each one's stopping "
                          "snapshot through CRI CheckpointContainer, published as an OCI checkpoint image to "
-                         "--registry and recorded in --store (e.g. /run/containerd/containerd.sock)")
+                         "--registry and recorded in --store (e.g. /run/containerd/containerd.sock; config key "
+                         "cri_socket)")
     ag.add_argument("--registry", metavar="URL",
                     help="the registry the CRI path pushes checkpoint images to (http:// or https://HOST[:PORT]); "
-                         "needed with --cri-socket")
-    ag.add_argument("--registry-repository", default="snapguard/ckpt", metavar="PREFIX",
-                    help="the repository prefix of the checkpoint images: PREFIX/JOB (default snapguard/ckpt)")
+                         "needed with --cri-socket (config key registry)")
+    ag.add_argument("--registry-repository", metavar="PREFIX",
+                    help="the repository prefix of the checkpoint images: PREFIX/JOB (config key "
+                         "registry_repository, default snapguard/ckpt)")
     ag.add_argument("--aws-url", default=AWS_URL, metavar="URL", help=f"IMDS base (default {AWS_URL})")
     ag.add_argument("--gce-url", default=GCE_URL, metavar="URL", help=f"GCE metadata base (default {GCE_URL})")
     ag.add_argument("--azure-url", default=AZURE_URL, metavar="URL", help=f"Azure IMDS base (default {AZURE_URL})")
@@ -214,32 +217,51 @@ def _containerd(args: argparse.Namespace) -> Any:
                            args.containerd_runc_root)
 
 
-def _cri(args: argparse.Namespace) -> Any:
-    """--cri-socket/--registry: the CRI path, checked where it is given (USAGE_ERROR)."""
-    if not args.cri_socket:
+class _Setting:
+    """One of the CRI path's settings: its flag's value, else its config key's, and where it came from."""
+
+    def __init__(self, flag: str, flag_value: str | None, key: str, config: Any) -> None:
+        from_flag = flag_value is not None
+        self.value: str = flag_value if from_flag else getattr(config, key)
+        self.name = flag if from_flag else f"`{key}` (config {config.source or 'defaults'} or $SNAPGUARD_*)"
+        self.reason = Reason.USAGE_ERROR if from_flag else Reason.CONFIG_INVALID
+
+    def refuse(self, why: str) -> SnapguardError:
+        return SnapguardError(self.reason, f"{self.name} {self.value!r}: {why}")
+
+
+def _cri(args: argparse.Namespace, config: Any) -> Any:
+    """The CRI path from --cri-socket, --registry and --registry-repository, each over its config
+    key (cri_socket, registry, registry_repository), checked before anything is watched:
+    USAGE_ERROR for a flag, CONFIG_INVALID for a key."""
+    sock = _Setting("--cri-socket", args.cri_socket, "cri_socket", config)
+    registry = _Setting("--registry", args.registry, "registry", config)
+    repo = _Setting("--registry-repository", args.registry_repository, "registry_repository", config)
+    if not sock.value:
         if args.registry:
-            raise SnapguardError(Reason.USAGE_ERROR, "--registry is the CRI path's: give --cri-socket too")
+            raise SnapguardError(Reason.USAGE_ERROR, "--registry is the CRI path's: give --cri-socket too (or "
+                                 "config key cri_socket)")
         return None
     from urllib.parse import urlsplit
 
     from ..notice import CriPods
 
-    if not os.path.isabs(args.cri_socket):
-        raise SnapguardError(Reason.USAGE_ERROR, f"--cri-socket {args.cri_socket!r} is not an absolute path")
-    if not args.registry:
-        raise SnapguardError(Reason.USAGE_ERROR, "--cri-socket publishes to a registry: give --registry URL")
-    url = urlsplit(args.registry)
+    if not os.path.isabs(sock.value):
+        raise sock.refuse("not an absolute path")
+    if not registry.value:
+        raise SnapguardError(sock.reason, f"{sock.name} publishes to a registry: give --registry URL (or config "
+                             "key registry)")
+    url = urlsplit(registry.value)
     if url.scheme not in ("http", "https") or not url.hostname or url.path.strip("/") or url.query:
-        raise SnapguardError(Reason.USAGE_ERROR, f"--registry {args.registry!r} is not http(s)://HOST[:PORT]")
+        raise registry.refuse("not http(s)://HOST[:PORT]")
     if not args.store:
-        raise SnapguardError(Reason.USAGE_ERROR, "--cri-socket records each published image in the job's store "
-                             "entry: give --store URL")
-    prefix = args.registry_repository.strip("/")
+        raise SnapguardError(Reason.USAGE_ERROR, f"{sock.name}: the CRI path records each published image in the "
+                             "job's store entry: give --store URL")
+    prefix = repo.value.strip("/")
     if not all(part and part == part.lower() and part.replace("-", "").replace("_", "").replace(".", "").isalnum()
                for part in prefix.split("/")):
-        raise SnapguardError(Reason.USAGE_ERROR, f"--registry-repository {args.registry_repository!r} is not an "
-                             "OCI repository name (lower-case letters, digits, '.', '_', '-', '/')")
-    return CriPods(args.cri_socket, args.registry.rstrip("/"), prefix)
+        raise repo.refuse("not an OCI repository name (lower-case letters, digits, '.', '_', '-', '/')")
+    return CriPods(sock.value, registry.value.rstrip("/"), prefix)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
     if args.keep is not None and args.keep < 1:
         raise SnapguardError(Reason.USAGE_ERROR, f"--keep {args.keep}: keep at least the newest whole image")
     _check_store(args.store)
-    cri = _cri(args)
     config = load()
+    cri = _cri(args, config)
     _serve_metrics(args, config.state_dir)
     agent = Agent(config, _sources(args, config), store_url=args.store, images=args.images, interval_s=args.interval,
                   log=lambda line: print(line, file=sys.stderr, flush=True), containerd=_containerd(args), cri=cri,

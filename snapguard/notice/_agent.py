@@ -229,8 +229,9 @@ class Agent:
                 continue
             targets.append(target_for(self, key, w, notice.deadline, self._runner(key, w, notice)))
         if targets:
-            schedule(targets, notice=notice.id, journal=self.journal, log=self.log,
-                     rate_bps=measured_rate(self.read_journal()), workers=self.workers)
+            outcomes = schedule(targets, notice=notice.id, journal=self.journal, log=self.log,
+                                rate_bps=measured_rate(self.read_journal()), workers=self.workers)
+            self.uploads.note_outcomes(outcomes)  # the agent's textfile: what fit, what fell back and why
 
     def _runner(self, key: str, w: dict[str, Any], notice: Notice) -> Callable[[float | None], Failure | None]:
         def run(left: float | None) -> Failure | None:

@@ -5,6 +5,12 @@ an upload a killed agent began swept from the store.
 Each upload is bound by the notice's lead: what is left of the notice's deadline when it starts
 (at least `MIN_UPLOAD_S`) is the store's `deadline_s` for the whole push or stream, so that no
 upload runs on past the reclaim; a notice with no deadline leaves the store's own deadlines.
+
+The agent's Prometheus textfile (`snapguard-agent.prom`, for node-exporter's textfile collector)
+is written here: snapguard_agent_store_writable (the probe at start), and, after each notice,
+snapguard_agent_last_notice_snapshotted{job} and snapguard_agent_last_notice_fell_back{job,reason}
+(1 per workload; the reason is the typed one it fell back with, snapguard-runc's own when the
+executor refused or failed it).
 """
 
 from __future__ import annotations
@@ -55,15 +61,31 @@ def _put(store_mod: Any, store: Any, image: str, w: dict[str, Any], name: str, p
     return {"job": ref.job, "name": ref.name, "complete": ref.complete, "epoch": ref.epoch}
 
 
-def _write_gauge(path: str, writable: bool) -> None:
+def _write_gauge(path: str, writable: bool | None, outcomes: list[Any] | None = None) -> None:
+    """The agent's textfile (the module's docstring); `outcomes`: the last notice's schedule
+    Outcomes. Never raises: a textfile that cannot be written is not worth a notice."""
     try:
         from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
     except ImportError:
         return
     reg = CollectorRegistry()
-    Gauge("snapguard_agent_store_writable", "1 when the agent's image store took a probe write at start",
-          registry=reg).set(1 if writable else 0)
-    write_to_textfile(path, reg)
+    if writable is not None:
+        Gauge("snapguard_agent_store_writable", "1 when the agent's image store took a probe write at start",
+              registry=reg).set(1 if writable else 0)
+    if outcomes is not None:
+        ok = Gauge("snapguard_agent_last_notice_snapshotted", "1 for each job whose workload's snapshot was "
+                   "taken (and published) at the last notice", ["job"], registry=reg)
+        fell = Gauge("snapguard_agent_last_notice_fell_back", "1 for each job whose workload fell back to its "
+                     "file checkpoint at the last notice, by the typed reason", ["job", "reason"], registry=reg)
+        for o in outcomes:
+            if o.status == "snapshotted":
+                ok.labels(o.job).set(1)
+            else:
+                fell.labels(o.job, o.reason or "UNKNOWN").set(1)
+    try:
+        write_to_textfile(path, reg)
+    except OSError:
+        pass
 
 
 class Uploads:
@@ -79,12 +101,20 @@ class Uploads:
         self.log = log
         self.registry = registry
         self.discard = discard
+        self.metrics_path: str | None = None
+        self.writable: bool | None = None  # what the probe at start found (None: no store, or not yet)
+
+    def note_outcomes(self, outcomes: list[Any]) -> None:
+        """The last notice's outcomes into the agent's textfile (with the probe's gauge)."""
+        if self.metrics_path:
+            _write_gauge(self.metrics_path, self.writable, outcomes)
 
     def probe(self, metrics_path: str | None = None) -> bool:
         """At start: can the agent write to its store? A probe object put and deleted. A store that
         refuses or does not answer is a loud warning in the log, a `store_check` journal line and
         the gauge snapguard_agent_store_writable 0 (a Prometheus textfile at `metrics_path`), not a
         surprise on the notice."""
+        self.metrics_path = metrics_path
         if not self.store_url:
             return True
         key = f"snapguard-probe/agent-{safe_name(socket.gethostname())}-{os.getpid()}"
@@ -104,6 +134,7 @@ class Uploads:
         if failure is not None:
             self.log(f"WARNING: snapguard {failure.reason.name}: {failure.message}; a notice now would leave "
                      "its images on this node")
+        self.writable = ok
         if metrics_path:
             _write_gauge(metrics_path, ok)
         return ok

@@ -11,13 +11,18 @@ spec.dump, status.dump, rootfs-diff.tar, checkpoint/ with CRIU's images and snap
     pushed = push_image(image, "http://registry:5000", "ckpt/train-1", "e3", deadline_s=60)
     pushed.reference  # registry:5000/ckpt/train-1@sha256:...  (what the pod spec names)
 
+    out = publish_archive(archive, "http://registry:5000", "ckpt/train-1", "e3", job="train-1", epoch=3,
+                          deadline_s=60)   # the same, reading the archive's bytes once (the agent's)
+    out.image.parts, out.pushed.reference, out.timings
+
 Failures are SnapguardError with a typed reason: CHECKPOINT_ARCHIVE_INVALID, REGISTRY_UNREACHABLE,
 REGISTRY_TOO_SLOW, REGISTRY_DIGEST_MISMATCH.
 """
 
 from __future__ import annotations
 
-from ._image import ANNOTATION_CONTAINER, CheckpointImage, build_image
-from ._push import Pushed, push_image
+from ._image import ANNOTATION_CONTAINER, CheckpointImage, ImageParts, build_image
+from ._push import Published, Pushed, publish_archive, push_image
 
-__all__ = ["ANNOTATION_CONTAINER", "CheckpointImage", "Pushed", "build_image", "push_image"]
+__all__ = ["ANNOTATION_CONTAINER", "CheckpointImage", "ImageParts", "Published", "Pushed", "build_image",
+           "publish_archive", "push_image"]

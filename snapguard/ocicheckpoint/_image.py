@@ -8,6 +8,12 @@ must be there; anything else is CHECKPOINT_ARCHIVE_INVALID. The layer is uncompr
 (application/vnd.oci.image.layer.v1.tar): its digest is its diff_id, and CRIU's pages do not
 compress enough to pay for the time on a reclaim notice.
 
+`scan_archive` reads what the image needs from the archive without reading its bytes (tar's
+headers and the small metadata files): the annotations, the sizes of its parts (`ImageParts`:
+CRIU's page files, the take point's spill files, the container's rootfs diff, the rest).
+`build_image` adds the layer's digest by one pass over the archive; a push that streams the
+layer (`_push.publish_archive`) hashes it as it sends it and assembles the image after.
+
 Annotations (on the manifest, where containerd's checkIfCheckpointOCIImage reads them once the
 image is pulled by digest; names from checkpointctl's lib/annotations.go, which containerd
 2.1.9 vendors and CRI-O sets):
@@ -32,10 +38,10 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..names import MANIFEST_NAME, MARKER_NAME
+from ..names import MANIFEST_NAME, MARKER_NAME, TAKE_SPILL
 from ..reasons import Reason, SnapguardError
 
-__all__ = ["ANNOTATION_CONTAINER", "CheckpointImage", "build_image"]
+__all__ = ["ANNOTATION_CONTAINER", "CheckpointImage", "ImageParts", "Scanned", "assemble", "build_image", "scan_archive"]
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -48,8 +54,24 @@ _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "
 
 
 @dataclass(frozen=True)
+class ImageParts:
+    """The archive's bytes by part (members' sizes): CRIU's page files (checkpoint/pages-*.img:
+    the processes' memory, the GPU's too where CRIU's CUDA plugin took it), the take point's spill
+    files (checkpoint/snapguard-take-*.bin), the container's rootfs diff (rootfs-diff.tar), the
+    rest (CRIU's other images, the dumps, the seal); `archive` the archive file's size."""
+
+    pages: int = 0
+    spill: int = 0
+    rootfs_diff: int = 0
+    other: int = 0
+    archive: int = 0
+    files: int = 0
+
+
+@dataclass(frozen=True)
 class CheckpointImage:
-    """What is pushed: the layer (a file, the archive), the config and manifest bytes."""
+    """What is pushed: the layer (a file, the archive), the config and manifest bytes; the layer's
+    bytes by part."""
 
     layer_path: str
     layer_digest: str
@@ -57,6 +79,7 @@ class CheckpointImage:
     config: bytes
     manifest: bytes
     annotations: dict[str, str] = field(default_factory=dict)
+    parts: ImageParts = field(default_factory=ImageParts)
 
     @property
     def config_digest(self) -> str:
@@ -87,11 +110,22 @@ def _safe_name(name: str) -> str | None:
     return clean
 
 
-def _scan(archive: str) -> tuple[dict[str, bytes], set[str]]:
-    """({config.dump, spec.dump, checkpoint/<seal>: bytes}, every member's name), the archive checked."""
+def _part(name: str) -> str:
+    base = name.rsplit("/", 1)[-1]
+    if name.startswith("checkpoint/") and base.startswith("pages-") and base.endswith(".img"):
+        return "pages"
+    if name.startswith("checkpoint/") and TAKE_SPILL.fullmatch(base):
+        return "spill"
+    return "rootfs_diff" if name == "rootfs-diff.tar" else "other"
+
+
+def _scan(archive: str) -> tuple[dict[str, bytes], set[str], dict[str, int]]:
+    """({config.dump, spec.dump, checkpoint/<seal>: bytes}, every member's name, the members'
+    bytes by part), the archive checked."""
     wanted = {"config.dump", "spec.dump", f"checkpoint/{MANIFEST_NAME}", f"checkpoint/{MARKER_NAME}"}
     found: dict[str, bytes] = {}
     names: set[str] = set()
+    sizes = {"pages": 0, "spill": 0, "rootfs_diff": 0, "other": 0, "files": 0}
     try:
         with tarfile.open(archive, mode="r:") as tf:
             for member in tf:
@@ -101,6 +135,9 @@ def _scan(archive: str) -> tuple[dict[str, bytes], set[str]]:
                 if not (member.isfile() or member.isdir()):
                     raise _refuse(archive, f"member {name[:120]} is not a regular file or a directory")
                 names.add(name)
+                if member.isfile():
+                    sizes[_part(name)] += member.size
+                    sizes["files"] += 1
                 if name in wanted and member.isfile():
                     if member.size > _DUMP_CAP:
                         raise _refuse(archive, f"{name} has {member.size} bytes, over {_DUMP_CAP}")
@@ -112,7 +149,7 @@ def _scan(archive: str) -> tuple[dict[str, bytes], set[str]]:
     if missing or "checkpoint" not in names:
         raise _refuse(archive, f"missing {', '.join(missing) or 'checkpoint/'} (not a CRI checkpoint sealed by "
                       "snapguard-runc)")
-    return found, names
+    return found, names, sizes
 
 
 def _json(archive: str, name: str, data: bytes) -> dict[str, Any]:
@@ -138,10 +175,22 @@ def _layer_digest(archive: str) -> tuple[str, int]:
     return "sha256:" + h.hexdigest(), size
 
 
-def build_image(archive: str, *, job: str, epoch: int, created: str | None = None) -> CheckpointImage:
-    """The OCI checkpoint image of the CRI checkpoint archive at `archive` (checked) for `job`'s
-    snapshot under fencing `epoch`."""
-    found, _ = _scan(archive)
+@dataclass(frozen=True)
+class Scanned:
+    """What the image takes from the archive apart from its bytes' digest (`scan_archive`)."""
+
+    archive: str
+    annotations: dict[str, str]
+    container: str
+    arch: str
+    created: str
+    parts: ImageParts
+
+
+def scan_archive(archive: str, *, job: str, epoch: int, created: str | None = None) -> Scanned:
+    """The CRI checkpoint archive at `archive` checked (its headers and metadata files, not its
+    bytes) for `job`'s snapshot under fencing `epoch`."""
+    found, _, sizes = _scan(archive)
     config_dump = _json(archive, "config.dump", found["config.dump"])
     spec = _json(archive, "spec.dump", found["spec.dump"])
     spec_ann = spec.get("annotations") if isinstance(spec.get("annotations"), dict) else {}
@@ -163,22 +212,40 @@ def build_image(archive: str, *, job: str, epoch: int, created: str | None = Non
         "io.snapguard.epoch": str(int(epoch)),
         "io.snapguard.seal.sha256": hashlib.sha256(found[f"checkpoint/{MANIFEST_NAME}"]).hexdigest(),
     }
-    annotations = {k: v for k, v in annotations.items() if v}
-    layer_digest, layer_size = _layer_digest(archive)
-    checkpointed = _text(config_dump.get("checkpointedTime"))
+    try:
+        archive_size = os.stat(archive).st_size
+    except OSError as e:
+        raise _refuse(archive, f"cannot stat it ({e.strerror})") from None
+    parts = ImageParts(pages=sizes["pages"], spill=sizes["spill"], rootfs_diff=sizes["rootfs_diff"],
+                       other=sizes["other"], archive=archive_size, files=sizes["files"])
+    return Scanned(os.path.abspath(archive), {k: v for k, v in annotations.items() if v}, container, arch,
+                   created or _text(config_dump.get("checkpointedTime")), parts)
+
+
+def assemble(scanned: Scanned, layer_digest: str, layer_size: int) -> CheckpointImage:
+    """The image of a scanned archive whose bytes have `layer_digest` and `layer_size`."""
     image_config: dict[str, Any] = {
-        "architecture": arch, "os": "linux",
-        "config": {"Labels": {ANNOTATION_CONTAINER: container}},
+        "architecture": scanned.arch, "os": "linux",
+        "config": {"Labels": {ANNOTATION_CONTAINER: scanned.container}},
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": "snapguard: CRI CheckpointContainer archive", "comment": container}],
+        "history": [{"created_by": "snapguard: CRI CheckpointContainer archive", "comment": scanned.container}],
     }
-    if created or checkpointed:
-        image_config["created"] = created or checkpointed
+    if scanned.created:
+        image_config["created"] = scanned.created
     config = json.dumps(image_config, sort_keys=True, separators=(",", ":")).encode()
     manifest = json.dumps({
         "schemaVersion": 2, "mediaType": MT_MANIFEST,
         "config": {"mediaType": MT_CONFIG, "digest": _digest(config), "size": len(config)},
         "layers": [{"mediaType": MT_LAYER, "digest": layer_digest, "size": layer_size}],
-        "annotations": annotations,
+        "annotations": scanned.annotations,
     }, sort_keys=True, separators=(",", ":")).encode()
-    return CheckpointImage(os.path.abspath(archive), layer_digest, layer_size, config, manifest, annotations)
+    return CheckpointImage(scanned.archive, layer_digest, layer_size, config, manifest, dict(scanned.annotations),
+                           scanned.parts)
+
+
+def build_image(archive: str, *, job: str, epoch: int, created: str | None = None) -> CheckpointImage:
+    """The OCI checkpoint image of the CRI checkpoint archive at `archive` (checked) for `job`'s
+    snapshot under fencing `epoch`: scanned, then its layer digested by one pass over its bytes."""
+    scanned = scan_archive(archive, job=job, epoch=epoch, created=created)
+    layer_digest, layer_size = _layer_digest(archive)
+    return assemble(scanned, layer_digest, layer_size)

@@ -1,10 +1,21 @@
-"""Pushing a CheckpointImage to a registry over the OCI distribution API, under one deadline.
+"""Pushing a checkpoint image to a registry over the OCI distribution API, under one deadline.
+
+`push_image` pushes a built CheckpointImage (its layer digested already):
 
     POST /v2/<repo>/blobs/uploads/            -> 202, Location
     PUT  <Location>?digest=<d>  (the bytes)   -> 201, Docker-Content-Digest must be d
     ... the layer (skipped when HEAD finds it), then the config
     PUT  /v2/<repo>/manifests/<tag>           -> 201, Docker-Content-Digest must be the manifest's
     HEAD /v2/<repo>/manifests/<digest>        -> 200: the registry serves it by digest
+
+`publish_archive` makes and pushes the image of a CRI checkpoint archive with one read of its
+bytes: the layer goes up as a streamed upload, hashed as it is sent, and the image (config and
+manifest name the layer's digest) is assembled once the digest is known:
+
+    POST /v2/<repo>/blobs/uploads/            -> 202, Location
+    PATCH <Location>  (the bytes, hashed)     -> 202, Location
+    PUT  <Location>?digest=<d>  (no body)     -> 201, Docker-Content-Digest must be d
+    ... then the config and the manifest as above
 
 The whole exchange ends within `deadline_s`: a watchdog shuts the connection's socket down at the
 deadline, so a registry that stops answering mid-body cannot hold the push (REGISTRY_TOO_SLOW). A
@@ -17,21 +28,23 @@ certificate with the system's CAs. No credentials are sent (a registry that need
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import re
 import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from ..reasons import Reason, SnapguardError
-from ._image import MT_MANIFEST, CheckpointImage
+from ._image import MT_MANIFEST, CheckpointImage, assemble, scan_archive
 
-__all__ = ["Pushed", "push_image"]
+__all__ = ["Published", "Pushed", "publish_archive", "push_image"]
 
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 _REPO = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _MAX_ANSWER = 64 << 10
@@ -50,6 +63,16 @@ class Pushed:
     @property
     def reference(self) -> str:
         return f"{self.registry}/{self.repository}@{self.digest}"
+
+
+@dataclass(frozen=True)
+class Published:
+    """`publish_archive`'s result: the image made, where it is, and where the seconds went
+    (scan_s the archive's check, layer_s the layer's streamed upload, rest_s config + manifest)."""
+
+    image: CheckpointImage
+    pushed: Pushed
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class _Exchange:
@@ -96,8 +119,9 @@ class _Exchange:
                               f"{self.deadline_s:.0f} s", evidence={"registry": self.url})
 
     def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None,
-                size: int = 0) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """(status, headers, at most 64 KiB of body); `body` a path str streams that file (`size` bytes)."""
+                size: int = 0, hasher: Any = None) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """(status, headers, at most 64 KiB of body); `body` a path str streams that file (`size`
+        bytes, each chunk also fed to `hasher` where one is given)."""
         try:
             self.conn.timeout = self._left()
             if self.conn.sock is not None:
@@ -109,10 +133,17 @@ class _Exchange:
                 for k, v in hdrs.items():
                     self.conn.putheader(k, v)
                 self.conn.endheaders()
+                sent = 0
                 with open(body, "rb") as f:
-                    while chunk := f.read(_CHUNK):
+                    while sent < size and (chunk := f.read(min(_CHUNK, size - sent))):
                         self._left()
+                        if hasher is not None:
+                            hasher.update(chunk)
                         self.conn.send(chunk)
+                        sent += len(chunk)
+                if sent != size:
+                    raise SnapguardError(Reason.CHECKPOINT_ARCHIVE_INVALID, f"{body}: {sent} bytes, not the {size} "
+                                         "it had when the push began (changed meanwhile)", evidence={"archive": body})
             else:
                 self.conn.request(method, path, body=body, headers=hdrs)
             answer = self.conn.getresponse()
@@ -162,24 +193,89 @@ def _push_blob(ex: _Exchange, repo: str, digest: str, body: bytes | str, size: i
 def push_image(image: CheckpointImage, registry_url: str, repository: str, tag: str, *,
                deadline_s: float) -> Pushed:
     """Push `image` as REPOSITORY:TAG to the registry at `registry_url`, within `deadline_s`."""
+    _check_names(repository, tag)
+    ex = _Exchange(registry_url, deadline_s)
+    try:
+        _push_blob(ex, repository, image.layer_digest, image.layer_path, image.layer_size)
+        _push_manifest(ex, image, repository, tag)
+    finally:
+        ex.close()
+    return Pushed(ex.host, repository, tag, image.digest, image.layer_size + len(image.config) + len(image.manifest))
+
+
+def _upload_path(ex: _Exchange, location: str | None, status: int, data: bytes, what: str) -> str:
+    """The path (and query) of an upload's Location, on the registry's own host only."""
+    if not location:
+        raise ex.refuse(what, status, data)
+    loc = urlsplit(location)
+    if loc.netloc and loc.netloc != ex.host:
+        raise ex.refuse(f"{what}: sent to another host {loc.netloc[:80]}", status, b"")
+    return (loc.path or "/") + ("?" + loc.query if loc.query else "")
+
+
+def _with_digest(path: str, digest: str) -> str:
+    return path + ("&" if "?" in path else "?") + "digest=" + quote(digest)
+
+
+def _stream_layer(ex: _Exchange, repo: str, archive: str, size: int) -> str:
+    """The archive streamed up as a new blob (POST, PATCH, PUT ?digest=), hashed as it is sent;
+    its digest, as the registry confirmed it."""
+    status, headers, data = ex.request("POST", f"/v2/{repo}/blobs/uploads/", b"", {"Content-Length": "0"})
+    if status != 202:
+        raise ex.refuse("starting the layer's upload", status, data)
+    path = _upload_path(ex, headers.get("Location"), status, data, "starting the layer's upload")
+    hasher = hashlib.sha256()
+    status, headers, data = ex.request("PATCH", path, archive, {"Content-Type": "application/octet-stream"},
+                                       size=size, hasher=hasher)
+    if status != 202:
+        raise ex.refuse("the layer's streamed upload (PATCH)", status, data)
+    digest = "sha256:" + hasher.hexdigest()
+    path = _upload_path(ex, headers.get("Location"), status, data, "the layer's streamed upload (PATCH)")
+    status, headers, data = ex.request("PUT", _with_digest(path, digest), b"", {"Content-Length": "0"})
+    if status not in (201, 204):
+        raise ex.refuse(f"completing the upload of {digest}", status, data)
+    _check_digest(ex, f"blob {digest}", headers.get("Docker-Content-Digest"), digest)
+    return digest
+
+
+def _push_manifest(ex: _Exchange, image: CheckpointImage, repository: str, tag: str) -> None:
+    _push_blob(ex, repository, image.config_digest, image.config, len(image.config))
+    status, headers, data = ex.request("PUT", f"/v2/{repository}/manifests/{tag}", image.manifest,
+                                       {"Content-Type": MT_MANIFEST})
+    if status not in (201, 204):
+        raise ex.refuse(f"manifest {repository}:{tag}", status, data)
+    _check_digest(ex, f"manifest {repository}:{tag}", headers.get("Docker-Content-Digest"), image.digest)
+    status, headers, data = ex.request("HEAD", f"/v2/{repository}/manifests/{image.digest}",
+                                       headers={"Accept": MT_MANIFEST})
+    if status != 200:
+        raise ex.refuse(f"manifest {repository}@{image.digest} after the push", status, data)
+    _check_digest(ex, f"manifest {repository}@{image.digest}", headers.get("Docker-Content-Digest"), image.digest)
+
+
+def _check_names(repository: str, tag: str) -> None:
     if not _REPO.match(repository) or len(repository) > 255:
         raise SnapguardError(Reason.USAGE_ERROR, f"repository {repository[:80]!r} is not an OCI repository name")
     if not _TAG.match(tag):
         raise SnapguardError(Reason.USAGE_ERROR, f"tag {tag[:80]!r} is not an OCI tag")
-    ex = _Exchange(registry_url, deadline_s)
+
+
+def publish_archive(archive: str, registry_url: str, repository: str, tag: str, *, job: str, epoch: int,
+                    deadline_s: float) -> Published:
+    """The CRI checkpoint archive at `archive` checked, made an image for `job` under `epoch` and
+    pushed as REPOSITORY:TAG, within `deadline_s`, reading its bytes once."""
+    _check_names(repository, tag)
+    t0 = time.monotonic()
+    scanned = scan_archive(archive, job=job, epoch=epoch)
+    t1 = time.monotonic()
+    ex = _Exchange(registry_url, max(deadline_s - (t1 - t0), 0.001))
     try:
-        _push_blob(ex, repository, image.layer_digest, image.layer_path, image.layer_size)
-        _push_blob(ex, repository, image.config_digest, image.config, len(image.config))
-        status, headers, data = ex.request("PUT", f"/v2/{repository}/manifests/{tag}", image.manifest,
-                                           {"Content-Type": MT_MANIFEST})
-        if status not in (201, 204):
-            raise ex.refuse(f"manifest {repository}:{tag}", status, data)
-        _check_digest(ex, f"manifest {repository}:{tag}", headers.get("Docker-Content-Digest"), image.digest)
-        status, headers, data = ex.request("HEAD", f"/v2/{repository}/manifests/{image.digest}",
-                                           headers={"Accept": MT_MANIFEST})
-        if status != 200:
-            raise ex.refuse(f"manifest {repository}@{image.digest} after the push", status, data)
-        _check_digest(ex, f"manifest {repository}@{image.digest}", headers.get("Docker-Content-Digest"), image.digest)
+        size = scanned.parts.archive
+        digest = _stream_layer(ex, repository, scanned.archive, size)
+        t2 = time.monotonic()
+        image = assemble(scanned, digest, size)
+        _push_manifest(ex, image, repository, tag)
     finally:
         ex.close()
-    return Pushed(ex.host, repository, tag, image.digest, image.layer_size + len(image.config) + len(image.manifest))
+    pushed = Pushed(ex.host, repository, tag, image.digest, image.layer_size + len(image.config) + len(image.manifest))
+    return Published(image, pushed, {"scan_s": t1 - t0, "layer_s": t2 - t1, "rest_s": time.monotonic() - t2})
+

@@ -20,7 +20,7 @@ from ._root import procfs_path, set_procfs_path, using_procfs
 from .host import boot_id, cpu_info, host_facts, mem_available_bytes
 from .inventory import (CUDA_LIB, NCCL_SHM, NVIDIA_DEV, Inventory, ProcInfo, established_tcp, internal_only,
                         inventory, parse_maps, read_proc, tree_tcp)
-from .mounts import mount_here, mount_of, mounts_on_path
+from .mounts import mount_here, mount_of, mount_table, mounts_on_path
 from .process import (alive, cgroup_memory_headroom, check_target, cmdline, euid, exists, nspid, own_mntns,
                       own_netns, pid_map, pids, proc_text, process_state, process_tree, running_start_ticks,
                       self_fd, start_ticks, with_argument)
@@ -28,7 +28,7 @@ from .process import (alive, cgroup_memory_headroom, check_target, cmdline, euid
 __all__ = [
     "CUDA_LIB", "NCCL_SHM", "NVIDIA_DEV", "Inventory", "ProcInfo", "alive", "boot_id", "cgroup_memory_headroom",
     "check_target", "cmdline", "cpu_info", "established_tcp", "euid", "exists", "host_facts", "internal_only",
-    "inventory", "mem_available_bytes", "mount_here", "mount_of", "mounts_on_path", "nspid", "own_mntns",
+    "inventory", "mem_available_bytes", "mount_here", "mount_of", "mount_table", "mounts_on_path", "nspid", "own_mntns",
     "own_netns", "parse_maps", "pid_map", "pids", "proc_text", "process_state", "process_tree", "procfs_path",
     "read_proc", "running_start_ticks", "self_fd", "set_procfs_path", "start_ticks", "tree_tcp", "using_procfs",
     "with_argument",

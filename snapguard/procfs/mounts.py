@@ -9,7 +9,7 @@ from typing import Any
 
 from ._root import read as _read, root as _root, vanishing as _vanishing
 
-__all__ = ["mount_here", "mount_of", "mounts_on_path"]
+__all__ = ["mount_here", "mount_of", "mount_table", "mounts_on_path"]
 
 
 def _unescape(field: str) -> str:
@@ -49,6 +49,13 @@ def mounts_on_path(path: str, proc: str | None = None, pid: int | None = None) -
     read. Read from mountinfo only: no filesystem on the way is touched."""
     text = _vanishing(lambda: _read(f"{_root(proc)}/{'self' if pid is None else pid}/mountinfo"), None)
     return None if text is None else _chain(_mounts(text), path)
+
+
+def mount_table(pid: int, proc: str | None = None) -> list[dict[str, Any]] | None:
+    """Every mount of pid's mount namespace as pid sees it (its mountinfo, in order, as `_mounts`
+    gives them; mount points relative to pid's root). None when mountinfo cannot be read."""
+    text = _vanishing(lambda: _read(f"{_root(proc)}/{pid}/mountinfo"), None)
+    return None if text is None else _mounts(text)
 
 
 def mount_here(pid: int, mount_point: str, proc: str | None = None) -> str | None:

@@ -19,7 +19,9 @@ counter goes on from its last archived line. The pod carries the webhook's snapg
 (the image's + 1), which reaches the container's spec through the runtime's pod_annotations:
 snapguard-runc takes it in the store (SNAPGUARD_STORE of node B's containerd) right before runc's
 restore, and a second replacement pod under the same epoch is refused ALREADY_RESTORED, nothing
-started. No kubelet runs: snapguard_lab.cri makes its calls.
+started; a replacement whose restore fails in runc's restore after it took the epoch rolls the
+epoch back, so that a retry takes one. A checkpoint snapguard-runc refuses or fails reaches the
+agent's journal as its typed reason. No kubelet runs: snapguard_lab.cri makes its calls.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import PublishedImage, newest_published, open_store, record_published
 from snapguard_lab.cri import CounterRows, api, counter_rows, wait_rows
 from snapguard_lab.k8s_nodes import Node, TwoNodes
+from snapguard_lab.targets import criu_wrapper
 from snapguard_lab.testbed import compat_missing
 
 pytestmark = pytest.mark.stack
@@ -98,6 +101,12 @@ def _run_pod(node: Node, name: str, job: str | None = JOB, epoch: int | None = N
     if epoch is not None:
         config.annotations["snapguard.io/epoch"] = str(epoch)
     return Pod(node.cri.run_sandbox(config), config)
+
+
+def _in_node(nodes: TwoNodes, name: str) -> list[str]:
+    """The prefix that runs a command in node `name`'s network namespace: nsenter, not a
+    preexec_fn (a fork that runs Python in a process with gRPC channels open can abort)."""
+    return ["/usr/bin/nsenter", f"--net=/var/run/netns/{nodes.net.ns(name)}", "--"]
 
 
 def _rows(node: Node, cid: str) -> CounterRows:
@@ -148,9 +157,9 @@ def published(nodes: TwoNodes, tmp_path_factory: pytest.TempPathFactory) -> Publ
                             capture_output=True, text=True, timeout=60)
     assert posted.returncode == 0, posted.stderr
     t0 = time.monotonic()
-    agent = subprocess.run([EXE, "agent", "--once", "--host-checks-every", "0", "--cri-socket", a.containerd.socket,
-                            "--registry", f"http://{nodes.host}", "--store", nodes.store_url],
-                           env=env, capture_output=True, text=True, timeout=120, preexec_fn=nodes.net.enter("a"))
+    agent = subprocess.run([*_in_node(nodes, "a"), EXE, "agent", "--once", "--host-checks-every", "0",
+                            "--cri-socket", a.containerd.socket, "--registry", f"http://{nodes.host}", "--store",
+                            nodes.store_url], env=env, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - t0
     assert agent.returncode == 0, agent.stderr
     journal = [json.loads(x) for x in (agent_state / "agent" / "journal.jsonl").read_text().splitlines()]
@@ -326,6 +335,45 @@ def test_tampered_layer_is_refused_at_start_as_one_typed_line(
         b.cri.stop_and_remove(rid)
 
 
+def test_a_restore_that_fails_after_taking_the_epoch_rolls_it_back_and_a_retry_takes_it(
+        nodes: TwoNodes, published: Published, tmp_path: Path) -> None:
+    """A replacement pod (snapguard.io/epoch 1) whose restore through containerd fails in runc's
+    restore, after snapguard-runc took the job's epoch (a stand-in CRIU that exits at once): the
+    epoch is rolled back (the job's current epoch is the image's again), so the job is not fenced
+    by an attempt that never ran, and a second pod under the same epoch restores and takes one."""
+    b, job = nodes["b"], "rollback-job"
+    archive = tmp_path / "a.tar"
+    archive.write_bytes(published.layer)
+    image = ocicheckpoint.build_image(str(archive), job=job, epoch=0)
+    pushed = nodes.in_node("a", lambda: ocicheckpoint.push_image(image, f"http://{nodes.host}", REPO, "rollback",
+                                                                 deadline_s=30))
+    b.cri.pull(pushed.reference)
+    store = published.store
+    Path(nodes.config_file).write_text(f'criu = "{criu_wrapper(tmp_path / "criu-fails", "fail")}"\n')
+    started: list[str] = []
+    try:
+        pod = _run_pod(b, "rollback-0", job=job, epoch=1)
+        rid = b.cri.create(pod.id, pod.config, b.cri.container_config("rollback", pushed.reference, pod.config))
+        started.append(rid)
+        with pytest.raises(grpc.RpcError) as failed:
+            b.cri.start(rid)
+        assert "snapguard CRIU_RESTORE_FAILED: " in failed.value.details(), failed.value.details()
+        assert b.cri.state(rid) != "CONTAINER_RUNNING"
+        assert store.current_epoch(job) == 0  # taken (1), then rolled back
+        Path(nodes.config_file).write_text("")
+        pod = _run_pod(b, "rollback-1", job=job, epoch=1)
+        rid = b.cri.create(pod.id, pod.config, b.cri.container_config("rollback", pushed.reference, pod.config))
+        started.append(rid)
+        b.cri.start(rid)
+        assert b.cri.state(rid) == "CONTAINER_RUNNING"
+        assert _wait_rows(b, rid, len(published.archived.rows) + 3).chain_errors() == []
+        assert store.current_epoch(job) == 2  # the retry's, past the aborted attempt's number
+    finally:
+        Path(nodes.config_file).write_text("")
+        for rid in started:
+            b.cri.stop_and_remove(rid)
+
+
 class _Liar(http.server.BaseHTTPRequestHandler):
     """A registry peer that accepts every upload and answers a digest other than the bytes'."""
 
@@ -419,7 +467,8 @@ def test_archive_that_is_not_a_cri_checkpoint_is_refused(tmp_path: Path) -> None
 def test_refused_checkpoint_reaches_the_agent_typed_and_records_nothing(
         nodes: TwoNodes, published: Published, tmp_path: Path) -> None:
     """snapguard-runc's refusal (here no criu at the configured path) is the agent's typed reason,
-    not containerd's wrapping; no archive, no image, no record, the container runs on."""
+    not containerd's wrapping; no archive, no image, no record, the container runs on. So is its
+    failure once runc ran CRIU (CRIU_DUMP_FAILED), through the agent itself."""
     a = nodes["a"]
     pod = _run_pod(a, "trainer-1")
     cid = a.cri.create(pod.id, pod.config, a.cri.container_config("refused", nodes.counter_image, pod.config))
@@ -447,6 +496,28 @@ def test_refused_checkpoint_reaches_the_agent_typed_and_records_nothing(
         assert str(missing) in str(refused.value) and "\n" not in str(refused.value)
         assert newest_published(published.store, "refused-job") is None
         assert os.listdir(a.state_dir / "cri") == []
+        assert a.cri.state(cid) == "CONTAINER_RUNNING"
+        # a failure after runc ran CRIU (a stand-in that exits at once): containerd keeps the first
+        # line of the runtime's output, runc's; the agent's record names snapguard-runc's reason
+        Path(nodes.config_file).write_text(f'criu = "{criu_wrapper(tmp_path / "criu-fails", "fail")}"\n')
+        agent_state = tmp_path / "agent-state"
+        agent_state.mkdir(mode=0o700)
+        env = {**os.environ, "SNAPGUARD_CONFIG": nodes.config_file, "SNAPGUARD_STATE_DIR": str(agent_state)}
+        subprocess.run([EXE, "notice", "--queue", "--lead", "60", "--reason", "spot"], env=env, check=True,
+                       capture_output=True, timeout=60)
+        agent = subprocess.run([*_in_node(nodes, "a"), EXE, "agent", "--once", "--host-checks-every", "0",
+                                "--cri-socket", a.containerd.socket, "--registry", f"http://{nodes.host}", "--store",
+                                nodes.store_url], env=env, capture_output=True, text=True, timeout=120)
+        assert agent.returncode == 0, agent.stderr
+        journal = [json.loads(x) for x in (agent_state / "agent" / "journal.jsonl").read_text().splitlines()]
+        (failed,) = [e for e in journal if e["event"] == "snapshot_failed"]
+        (fell,) = [e for e in journal if e["event"] == "fell_back"]
+        assert failed["key"] == fell["key"] == f"pod:{cid}", journal
+        assert failed["record"]["reason"] == fell["reason"] == "CRIU_DUMP_FAILED", failed
+        assert failed["record"]["evidence"]["executor_said_in"].endswith(f"/{cid}/log.json"), failed
+        assert "did not terminate successfully" in failed["record"]["evidence"]["cri"], failed
+        metrics = (agent_state / "agent" / "snapguard-agent.prom").read_text()
+        assert f'snapguard_agent_last_notice_fell_back{{job="{JOB}",reason="CRIU_DUMP_FAILED"}} 1.0' in metrics, metrics
         assert a.cri.state(cid) == "CONTAINER_RUNNING"
     finally:
         Path(nodes.config_file).write_text("")
