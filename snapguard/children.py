@@ -25,6 +25,13 @@ executor's pid and start time, the boot) until it ends, and `sweep(dir)` SIGKILL
 group whose executor is gone and that still runs: its leader by pid and start time, or, with the
 leader gone, the group that still holds its number (a number is never given out again while a
 group holds it, and a group made anew has its leader).
+
+A container's cgroup freezer is put back the same way. CRIU freezes a container for its dump
+and the executor thaws a paused one for the take point; an executor killed in between would
+leave it frozen (or running where containerd's shim holds it paused). `freezer_put_back` names
+the freezer's control file and the value it had: the watchdog writes the value back once it has
+ended the groups, and removes the freezer's record, which snapguard.runc keeps beside the
+groups' so that a later run puts it back where the watchdog died too.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from .files import write_atomic
 from .reasons import Reason, SnapguardError
 from .wire import BROKER_ENV
 
-__all__ = ["ChildTimeout", "keep_records", "probe", "run", "run_captured", "sweep"]
+__all__ = ["FREEZER_PREFIX", "ChildTimeout", "freezer_kept", "freezer_put_back", "keep_records", "probe", "read_record",
+           "records", "run", "run_captured", "sweep"]
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -69,11 +77,12 @@ def _dies_with(parent: int) -> Callable[[], None]:
     return die_with_parent
 
 
-# The watchdog: lines "+PGID" and "-PGID" on its stdin-less pipe; "." is the goodbye. At EOF
-# without it, every group still open is SIGKILLed.
+# The watchdog: lines "+PGID" and "-PGID" on its stdin-less pipe, "=CONTROL\tVALUE\tRECORD" and
+# "~CONTROL" for a freezer to put back; "." is the goodbye. At EOF without it, every group still
+# open is SIGKILLed, then each freezer gets its value back and its record goes.
 _WATCHDOG = """
 import os, signal, sys
-fd, groups, buf = int(sys.argv[1]), set(), b""
+fd, groups, buf, freezers = int(sys.argv[1]), set(), b"", {}
 while True:
     try:
         chunk = os.read(fd, 4096)
@@ -92,9 +101,25 @@ while True:
             groups.add(int(line[1:]))
         elif line[:1] == b"-":
             groups.discard(int(line[1:]))
+        elif line[:1] == b"=" and line.count(b"\\t") == 2:
+            control, value, record = line[1:].split(b"\\t")
+            freezers[control] = (value, record)
+        elif line[:1] == b"~":
+            freezers.pop(line[1:], None)
 for g in groups:
     try:
         os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+for control, (value, record) in freezers.items():
+    try:
+        out = os.open(control, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(out, value)
+        finally:
+            os.close(out)
+        if record:
+            os.unlink(record)
     except OSError:
         pass
 """
@@ -133,6 +158,12 @@ class _Watchdog:
 
     def ended(self, pgid: int) -> None:
         self._say(f"-{pgid}")
+
+    def freezer(self, control: str, value: str, record: str) -> None:
+        self._say(f"={control}\t{value}\t{record}")
+
+    def freezer_kept(self, control: str) -> None:
+        self._say(f"~{control}")
 
 
 _watchdog = _Watchdog()
@@ -188,10 +219,47 @@ def _group_left(rec: dict[str, Any]) -> bool:
     return True
 
 
+FREEZER_PREFIX = "freezer-"  # a freezer's record (snapguard.runc's): its name begins so
+
+
+def records() -> str | None:
+    """The directory `keep_records` named (None: none kept)."""
+    return _records
+
+
+def freezer_put_back(control: str, value: str, record: str | None) -> None:
+    """Should this executor die, the watchdog writes `value` into the freezer's `control` file
+    (once it has ended the groups) and removes `record` (see the module's docstring)."""
+    if any(c in control + value + (record or "") for c in "\t\n\0"):
+        raise ValueError(f"a freezer's control file, value or record with a tab or newline: {control!r}")
+    _watchdog.freezer(control, value, record or "")
+
+
+def freezer_kept(control: str) -> None:
+    """The freezer is as it was again (or its container is gone): nothing to put back."""
+    _watchdog.freezer_kept(control)
+
+
+def read_record(path: str, ids: tuple[str, ...]) -> dict[str, Any] | None:
+    """A record's body (a link is not followed), None unless it is a JSON object whose `ids` are
+    positive ints."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            rec = json.loads(os.read(fd, 4096))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, RecursionError):
+        return None
+    good = isinstance(rec, dict) and all(isinstance(rec.get(k), int) and rec[k] > 0 for k in ids)
+    return rec if good else None
+
+
 def sweep(directory: str) -> list[dict[str, Any]]:
     """End the groups an executor recorded in `directory` and left running when it died with its
     watchdog; the records of those ended (with `ended`), each record removed once its executor is
-    gone. A record that is not one (a name or body of the wrong shape) is removed, never acted on."""
+    gone (a freezer's, snapguard.runc's, is left to `runc.sweep_freezers`). A record that is not
+    one (a name or body of the wrong shape) is removed, never acted on."""
     ended: list[dict[str, Any]] = []
     try:
         names = sorted(os.listdir(directory))
@@ -200,18 +268,10 @@ def sweep(directory: str) -> list[dict[str, Any]]:
     boot = procfs.boot_id()
     for name in names:
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-            try:
-                rec = json.loads(os.read(fd, 4096))
-            finally:
-                os.close(fd)
-            good = isinstance(rec, dict) and all(isinstance(rec.get(k), int) and rec[k] > 0 for k in
-                                                 ("pgid", "start", "executor")) and \
-                name == _record_name(rec["pgid"], rec["start"])
-        except (OSError, ValueError, RecursionError):
-            good, rec = False, None
-        if good and rec is not None:
+        if name.startswith(FREEZER_PREFIX):
+            continue  # snapguard.runc's to put back
+        rec = read_record(path, ("pgid", "start", "executor"))
+        if rec is not None and name == _record_name(rec["pgid"], rec["start"]):
             executor_start = procfs.start_ticks(rec["executor"])
             if executor_start is not None and executor_start == rec.get("executor_start"):
                 continue  # its executor runs: its children are its own

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import copy
 import json
-import ssl
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .loopback_http import LoopbackHttp
 
 __all__ = ["KubeWatchApi"]
 
@@ -34,8 +33,10 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
             "reason": reason, "code": code}
 
 
-class KubeWatchApi:
+class KubeWatchApi(LoopbackHttp):
     """Nodes and pods, every change a new resourceVersion, watched by any number of clients."""
+
+    METHODS = ("GET",)  # any other method: 501, as BaseHTTPRequestHandler answers it
 
     def __init__(self, token: str = "test-token", node: str = "node-1", tls: tuple[str, str] | None = None) -> None:
         self.token = token
@@ -46,48 +47,13 @@ class KubeWatchApi:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[str] = []
-        self.cond = threading.Condition()
         self.bad_event: bytes | None = None
+        super().__init__(tls)  # snapguard_lab.loopback_http: no client knows its url before it returns
         self.put_node(node)
-        owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                owner.requests.append(self.path)
-                owner._get(self)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.scheme = "http"
-        if tls is not None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.load_cert_chain(*tls)
-            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
-            self.scheme = "https"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self) -> KubeWatchApi:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def _request(self, h: Any, method: str) -> None:
+        self.requests.append(h.path)
+        self._get(h)
 
     # -- the objects ------------------------------------------------------------------------------
     def _changed(self, kind: str, etype: str, obj: dict[str, Any]) -> None:
@@ -168,12 +134,7 @@ class KubeWatchApi:
         return ok
 
     def _reply(self, h: Any, code: int, doc: Any) -> None:
-        data = json.dumps(doc).encode()
-        h.send_response(code)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        h.reply(code, json.dumps(doc), {"Content-Type": "application/json"})
 
     def _get(self, h: Any) -> None:
         if h.headers.get("Authorization") != f"Bearer {self.token}":
@@ -216,7 +177,7 @@ class KubeWatchApi:
             if q.get("allowWatchBookmarks") == "true":
                 send({"type": "BOOKMARK", "object": {"kind": "Node" if kind == "nodes" else "Pod", "apiVersion": "v1",
                                                      "metadata": {"resourceVersion": str(max(since, self.rv))}}})
-            while time.monotonic() < end and not getattr(self, "closed", False):
+            while time.monotonic() < end and not self.closed:
                 with self.cond:
                     new = [(rv, t, o) for rv, k, t, o in self.events if k == kind and rv > since and ok(o)]
                     bad, self.bad_event = self.bad_event, None

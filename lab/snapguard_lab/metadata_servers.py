@@ -20,76 +20,35 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-import threading
 import time
 import urllib.parse
 from email.utils import format_datetime
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .loopback_http import LoopbackHttp
 
 __all__ = ["AwsImds", "AzureEvents", "GceMetadata", "KubeApi"]
 
 
-class _Server:
-    """A ThreadingHTTPServer on 127.0.0.1:0 in a daemon thread; `url` is its base."""
+class _Server(LoopbackHttp):
+    """A loopback server (snapguard_lab.loopback_http) that records each request and can be
+    told to answer with something that is not JSON."""
 
     def __init__(self) -> None:
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                owner.requests.append(("GET", self.path))
-                owner._answer(self, "GET")
-
-            def do_PUT(self) -> None:
-                owner.requests.append(("PUT", self.path))
-                owner._answer(self, "PUT")
-
-            def reply(self, code: int, body: bytes | str, headers: dict[str, str] | None = None) -> None:
-                data = body.encode() if isinstance(body, str) else body
-                self.send_response(code)
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
         self.requests: list[tuple[str, str]] = []
-        self.cond = threading.Condition()
         self.malformed = False
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        port = self.httpd.server_address[1]
-        return f"http://127.0.0.1:{port}"
+    def _request(self, h: Any, method: str) -> None:
+        self.requests.append((method, h.path))
+        self._answer(h, method)
 
     def _answer(self, h: Any, method: str) -> None:
         raise NotImplementedError
 
     def break_json(self) -> None:
         self.malformed = True
-
-    def close(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class AwsImds(_Server):

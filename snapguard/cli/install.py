@@ -16,7 +16,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     from ..install import (DEFAULT_CC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG,
-                          DEFAULT_STATE_FILE, LAUNCHER_NAME)
+                          DEFAULT_STATE_FILE, DEFAULT_SYSTEMD_DIR, LAUNCHER_NAME)
 
     ins = sub.add_parser("install", help="add the snapguard runtime to containerd and write /etc/snapguard/config.toml",
                          description=(
@@ -62,7 +62,15 @@ def add_parser(sub: Any) -> None:
     launcher.add_argument("--cc", default=DEFAULT_CC, metavar="PATH",
                           help=f"the pinned C compiler that builds it, root's alone, run with a PATH of root's "
                                f"directories only (default {DEFAULT_CC})")
-    ins.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ins.add_argument("--store", metavar="URL",
+                     help="the image store a pod's restore fences its epoch in (file:///dir or s3://bucket/prefix): "
+                          "written as SNAPGUARD_STORE into a systemd drop-in for containerd's unit, which its "
+                          "runc shim and snapguard-runc inherit; without it (and no drop-in from an earlier run) a "
+                          "pod restored under snapguard.io/epoch is refused, and the plan's next steps say so")
+    ins.add_argument("--systemd-dir", default=DEFAULT_SYSTEMD_DIR, metavar="DIR",
+                     help=f"where that drop-in goes (default {DEFAULT_SYSTEMD_DIR})")
+    ins.add_argument("--json", action="store_true",
+                     help="print the plan as JSON (its `next`: what the operator must still do)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     opts = install.Options(containerd_config=args.containerd_config, dropin_dir=args.dropin_dir,
                            snapguard_config=args.config, state_file=args.state_file, runtime_name=args.runtime_name,
                            containerd=args.containerd, snapguard_runc=args.snapguard_runc, launcher=args.launcher,
-                           launcher_path=args.launcher_path, cc=args.cc)
+                           launcher_path=args.launcher_path, cc=args.cc, store=args.store,
+                           systemd_dir=args.systemd_dir)
     plan = install.plan_uninstall(opts) if args.uninstall else install.plan_install(opts)
     if not args.dry_run:
         install.apply(plan)

@@ -10,6 +10,9 @@ What it changes, each file written whole (snapguard.files.write_atomic), root's,
 - the main config's `imports`, where it does not import the drop-in yet (containerd 1.6/1.7 import
   nothing by default, 2.1 neither): the drop-in's path is appended, nothing else changes. A node
   without a main config gets a minimal one (`version` and `imports`).
+- with `--store URL`, a systemd drop-in for containerd's unit giving it SNAPGUARD_STORE, the image
+  store a pod's restore fences its epoch in (`store_env`); without it, the plan's `next` steps
+  (printed, and `next` in --json) say that containerd needs it.
 - /etc/snapguard/config.toml: the pinned paths found on this node (each canonical and checked with
   snapguard.trust); keys the file already sets are kept, except `runc` where containerd's default
   runtime is NVIDIA's (`nvidia-container-runtime`): snapguard-runc then runs that, so GPU containers
@@ -44,6 +47,7 @@ The package, split by concern:
 - `toml`: the TOML writer and the in-place edit of `imports`.
 - `config_file`: snapguard's own config, its comments from the table of keys.
 - `launcher`: the C launcher's compile with the pinned compiler, and its pinned file.
+- `store_env`: containerd's SNAPGUARD_STORE, through a systemd drop-in.
 - `state`: the state file, and the plan that undoes what it records (`--uninstall`).
 - `configure`: plan_install(), the whole plan; `changes`: the plan's records, the diff, apply().
 """
@@ -54,6 +58,7 @@ from .base import DEFAULT_CONTAINERD_CONFIG as DEFAULT_CONTAINERD_CONFIG
 from .base import DEFAULT_RUNTIME_NAME as DEFAULT_RUNTIME_NAME
 from .base import DEFAULT_SNAPGUARD_CONFIG as DEFAULT_SNAPGUARD_CONFIG
 from .base import DEFAULT_STATE_FILE as DEFAULT_STATE_FILE
+from .base import DEFAULT_SYSTEMD_DIR as DEFAULT_SYSTEMD_DIR
 from .base import CompilerMissingError as CompilerMissingError
 from .base import InstallError as InstallError
 from .changes import Change as Change
@@ -75,7 +80,7 @@ from .toml import dump_toml as dump_toml
 from .toml import set_imports as set_imports
 
 __all__ = ["CANDIDATES", "CRI_PLUGINS", "DEFAULT_CC", "DEFAULT_CONTAINERD_CONFIG", "DEFAULT_RUNTIME_NAME",
-           "DEFAULT_SNAPGUARD_CONFIG", "DEFAULT_STATE_FILE", "LAUNCHER_NAME", "LAUNCHER_SOURCES", "Change",
-           "CompilerMissingError", "InstallError", "Options", "Plan", "UNWRITTEN_DEFAULTS", "apply", "build_launcher",
-           "dump_toml", "launcher_source_dir", "plan_install", "plan_uninstall", "runtimeclass_manifest",
-           "set_imports"]
+           "DEFAULT_SNAPGUARD_CONFIG", "DEFAULT_STATE_FILE", "DEFAULT_SYSTEMD_DIR", "LAUNCHER_NAME",
+           "LAUNCHER_SOURCES", "Change", "CompilerMissingError", "InstallError", "Options", "Plan",
+           "UNWRITTEN_DEFAULTS", "apply", "build_launcher", "dump_toml", "launcher_source_dir", "plan_install",
+           "plan_uninstall", "runtimeclass_manifest", "set_imports"]

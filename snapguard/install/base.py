@@ -16,13 +16,14 @@ from ..reasons import Reason, SnapguardError
 from ..trust import UntrustedPathError, open_trusted
 
 __all__ = ["CompilerMissingError", "DEFAULT_CONTAINERD_CONFIG", "DEFAULT_RUNTIME_NAME", "DEFAULT_SNAPGUARD_CONFIG",
-           "DEFAULT_STATE_FILE", "InstallError", "absent_dirs", "fail", "parse_toml", "read_trusted", "sha", "table",
+           "DEFAULT_STATE_FILE", "DEFAULT_SYSTEMD_DIR", "InstallError", "absent_dirs", "fail", "parse_toml", "read_trusted", "sha", "table",
            "write_root_file"]
 
 DEFAULT_RUNTIME_NAME = "snapguard"
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 DEFAULT_SNAPGUARD_CONFIG = "/etc/snapguard/config.toml"
 DEFAULT_STATE_FILE = "/var/lib/snapguard/install.json"
+DEFAULT_SYSTEMD_DIR = "/etc/systemd/system/containerd.service.d"  # containerd's unit's drop-ins
 MAX_FILE_BYTES = 1 << 20
 
 

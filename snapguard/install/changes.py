@@ -65,6 +65,7 @@ class Plan:
     dirs: list[str] = field(default_factory=list)  # directories apply creates (install)
     remove_dirs: list[str] = field(default_factory=list)  # directories uninstall removes when empty
     runtime_name: str = DEFAULT_RUNTIME_NAME
+    next: list[str] = field(default_factory=list)  # what the operator must still do, beyond the restart
 
     @property
     def changed(self) -> bool:
@@ -75,7 +76,20 @@ class Plan:
                "changes": [c.to_dict() for c in self.changes]}
         if self.operation == "install":
             out["runtimeclass"] = runtimeclass_manifest(self.runtime_name)
+        out["next"] = self.next_steps()
         return out
+
+    def next_steps(self) -> list[str]:
+        """What the operator must still do, in order: the plan's own steps (a daemon-reload first),
+        containerd's restart where a file changed, then the RuntimeClass."""
+        steps = list(self.next)
+        if self.changed:
+            reload = [s for s in steps if s.startswith("systemctl daemon-reload")]
+            steps = reload + ["systemctl restart containerd  (containerd loads its new config)"] + \
+                [s for s in steps if s not in reload]
+        if self.operation == "install":
+            steps.append("kubectl apply -f -  (the RuntimeClass below)")
+        return steps
 
     def to_text(self, dry_run: bool) -> str:
         out = []
@@ -100,8 +114,10 @@ class Plan:
             out.append("nothing to change")
         elif dry_run:
             out.append("nothing written (--dry-run)")
-        else:
-            out.append("restart containerd to load it: systemctl restart containerd")
+        steps = self.next_steps()
+        if steps and not dry_run:
+            out.append("next:")
+            out += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
         if self.operation == "install":
             out.append("RuntimeClass (kubectl apply -f -):")
             out.append(runtimeclass_manifest(self.runtime_name).rstrip("\n"))

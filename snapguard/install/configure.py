@@ -23,6 +23,7 @@ from .dropin import Containerd, default_runtime, plan_dropin, plan_main_imports,
 from .launcher import plan_launcher, plan_pin
 from .options import Options
 from .state import load_state
+from .store_env import plan_store_env
 
 __all__ = ["plan_install"]
 
@@ -101,6 +102,7 @@ def plan_install(opts: Options) -> Plan:
     data = plan_dropin(cd, rt, name, binary_name, records, plan)
     main_after = plan_main_imports(cd, records, plan)
     verify_dropin(cd, main_after, data, name, binary_name)
+    plan_store_env(opts.store, opts.systemd_dir, name, records, plan)  # containerd's SNAPGUARD_STORE
 
     # snapguard's own config, then the launcher and its pinned file (read from the config as written)
     ours_binaries = [snapguard_runc] + ([launcher.path] if launcher is not None else [])

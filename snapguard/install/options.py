@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .base import DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG, DEFAULT_STATE_FILE
+from .base import (DEFAULT_CONTAINERD_CONFIG, DEFAULT_RUNTIME_NAME, DEFAULT_SNAPGUARD_CONFIG, DEFAULT_STATE_FILE,
+                   DEFAULT_SYSTEMD_DIR)
 
 __all__ = ["CANDIDATES", "DEFAULT_CC", "Options"]
 
@@ -36,6 +37,8 @@ class Options:
     launcher: bool | None = None
     launcher_path: str | None = None  # default: snapguard-runc-launcher beside snapguard-runc
     cc: str = DEFAULT_CC
+    store: str | None = None  # SNAPGUARD_STORE for containerd: a systemd drop-in (install.store_env)
+    systemd_dir: str = DEFAULT_SYSTEMD_DIR
     candidates: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(CANDIDATES))
 
     @property

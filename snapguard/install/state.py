@@ -67,5 +67,7 @@ def plan_uninstall(opts: Options) -> Plan:
             plan.changes.append(Change(path, "restore", current, prev, summary="the file it replaced"))
         else:
             plan.changes.append(Change(path, "remove", current, None, binary=kind == "launcher"))
+            if kind == "systemd-dropin":  # install.store_env's
+                plan.next.append("systemctl daemon-reload  (systemd forgets the removed drop-in)")
     plan.remove_dirs = sorted(set(plan.remove_dirs), key=lambda d: -d.count("/"))
     return plan

@@ -37,11 +37,12 @@ from ._remote import pull_image as pull_image
 from ._remote import push_image as push_image
 from ._remote import restore_from as restore_from
 from ._remote import run_fenced as run_fenced
+from ._podfence import STORE_ENV as STORE_ENV
 from ._podfence import PodFence as PodFence
 from ._podfence import pod_fence as pod_fence
 from ._podfence import run_pod_fenced as run_pod_fenced
 
-__all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "CriuRunner", "Fetched", "PodFence", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
+__all__ = ["FRESH_HOST_CHECKS", "NETWORK_LOCKS", "STORE_ENV", "CriuRunner", "Fetched", "PodFence", "Request", "Runner", "RuncRunner", "Timeouts", "checkpoint",
            "checkpoint_pid", "fetch_fenced", "mark_fallback", "node_epoch", "pod_fence", "pull_image", "push_image", "restore", "restore_from", "restore_images", "run_fenced", "run_pod_fenced",
            "write_record"]
 

@@ -124,7 +124,9 @@ class RuncRunner:
         self.container_id = container_id
         self.pid_file = pid_file
         self.status_before: str | None = None
+        self.pid: int | None = None  # the container's init, as `target_pid` first found it
         self.thawed = False  # `thaw` resumed the paused container; `settle` pauses it again
+        self.freezer: runc.FreezerGuard | None = None  # its freezer as it was, should we die
         self.log = log  # runc's --log: where runc says why it failed when CRIU never ran
         self.log_format = log_format
         self._log_offset = 0
@@ -137,12 +139,20 @@ class RuncRunner:
 
     def target_pid(self) -> int:
         state = runc.state(self.runc, self.root, self.container_id)
-        self.status_before = state.get("status")
-        if self.status_before not in ("running", "paused"):
+        status = state.get("status")
+        if status not in ("running", "paused"):
             raise SnapguardError(Reason.CONTAINER_NOT_FOUND,
-                                 f"container {self.container_id} is {self.status_before}, not running",
-                                 evidence={"container": self.container_id, "status": self.status_before})
+                                 f"container {self.container_id} is {status}, not running",
+                                 evidence={"container": self.container_id, "status": status})
+        if self.pid is None:
+            self.status_before, self.pid = status, int(state["pid"])
         return int(state["pid"])
+
+    def _guard_freezer(self) -> None:
+        """Before the thaw or the dump: the freezer put back as it was should the executor die."""
+        if self.freezer is None and self.pid is not None:
+            self.freezer = runc.FreezerGuard(self.pid, self.container_id, self.root,
+                                             frozen=self.status_before == "paused")
 
     def _run(self, req: Request, env: dict[str, str], verb: str, pointless: Any = None) -> int:
         try:
@@ -155,7 +165,9 @@ class RuncRunner:
                             pointless=pointless, pointless_reason=Reason.CRIU_DUMP_FAILED)
 
     def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
-        return self._run(req, env, "checkpoint", pointless=_died(self.target_pid()))
+        pointless = _died(self.target_pid())
+        self._guard_freezer()
+        return self._run(req, env, "checkpoint", pointless=pointless)
 
     def after_failed_dump(self) -> None:
         """CRIU freezes a container's cgroup: a runc or CRIU killed mid-dump leaves it frozen
@@ -166,6 +178,8 @@ class RuncRunner:
             return
         if now == "paused" and (self.status_before == "running" or self.thawed):
             self._runc("resume")
+        if (self.status_before == "running" or self.thawed) and self.freezer is not None:
+            self.freezer.thaw()  # runc resumes FROZEN only: CRIU killed while freezing leaves FREEZING
 
     def _runc(self, verb: str) -> int:
         return children.run([self.runc, *(["--root", self.root] if self.root else []), verb, self.container_id],
@@ -178,6 +192,7 @@ class RuncRunner:
         Whether it was thawed; WORKLOAD_FROZEN when runc cannot resume it."""
         if self.status_before != "paused":
             return False
+        self._guard_freezer()
         rc = self._runc("resume")
         if rc != 0:
             raise SnapguardError(Reason.WORKLOAD_FROZEN, f"container {self.container_id} is paused and `runc resume` "
@@ -191,15 +206,18 @@ class RuncRunner:
         left it (its client resumes the task after the checkpoint, and its shim holds it paused
         until then, answering `paused` to every status); one a stop checkpoint ended is left so.
         Never raises: a pause that fails leaves the container running, and containerd's client
-        ignores the failed resume that follows."""
-        if not self.thawed:
-            return
-        self.thawed = False
-        try:
-            if runc.state(self.runc, self.root, self.container_id).get("status") == "running":
-                self._runc("pause")
-        except SnapguardError:
-            pass
+        ignores the failed resume that follows. Last, the freezer is as it was before the
+        snapshot where the container still is, and nothing is left to put back."""
+        if self.thawed:
+            self.thawed = False
+            try:
+                if runc.state(self.runc, self.root, self.container_id).get("status") == "running":
+                    self._runc("pause")
+            except SnapguardError:
+                pass
+        if self.freezer is not None:
+            self.freezer.settle()
+            self.freezer = None
 
     def restore(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
         existed = self._exists()

@@ -192,9 +192,9 @@ def _release_restored(runner: Runner, req: Request, pid: int, manifest: image.Ma
     """Release the restored trainers. One whose spill cannot be passed to it (it does not answer,
     or the file is not as listed) would wake without its optimizer's bytes: the restored tree is
     ended instead, the image left whole for another restore."""
-    restored = take.trainers(procfs.process_tree(pid))
     try:
         with steps.step("release", Reason.CRIU_RESTORE_FAILED, image=req.image_dir):
+            restored = take.trainers(procfs.process_tree(pid))  # one that does not answer: ended
             _release(runner, req, pid, manifest, wanted, restored)
     except SnapguardError as e:
         e.failure.evidence["restored_tree_ended"] = runner.discard(pid)

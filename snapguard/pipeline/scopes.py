@@ -201,21 +201,31 @@ def sweep_children(config: Config, steps: Steps) -> list[Finding]:
     clear what this one leaves), never a refusal."""
     from .. import children
 
+    from .. import runc
+
     try:
         with steps.timed("children_sweep"):
             directory = files.ensure_private_dir(os.path.join(config.state_dir, "children"))
             ended = children.sweep(directory)
+            thawed = runc.sweep_freezers(directory)  # after the groups: no CRIU of theirs is left
     except (OSError, UntrustedPathError) as e:
         children.keep_records(None)
         return [Finding(Reason.PREFLIGHT_FAILED, f"the children's records in {config.state_dir} cannot be kept: {e}",
                         Severity.WARNING, {"state_dir": config.state_dir})]
     children.keep_records(directory)
-    if not ended:
-        return []
-    steps.counts["children_ended"] = len(ended)
-    return [Finding(Reason.CHILDREN_LEFT_BEHIND, f"{len(ended)} process group(s) an earlier executor left running "
-                    "were ended", Severity.WARNING,
-                    {"groups": [{"pgid": r["pgid"], "executor": r["executor"]} for r in ended]})]
+    found = []
+    if ended:
+        steps.counts["children_ended"] = len(ended)
+        found.append(Finding(Reason.CHILDREN_LEFT_BEHIND, f"{len(ended)} process group(s) an earlier executor left "
+                             "running were ended", Severity.WARNING,
+                             {"groups": [{"pgid": r["pgid"], "executor": r["executor"]} for r in ended]}))
+    if thawed:
+        steps.counts["freezers_thawed"] = len(thawed)
+        found.append(Finding(Reason.CHILDREN_LEFT_BEHIND, f"{len(thawed)} container(s) an earlier executor left "
+                             "frozen were thawed", Severity.WARNING,
+                             {"freezers": [{"container": r.get("container"), "freezer": r["freezer"],
+                                            "executor": r["executor"]} for r in thawed]}))
+    return found
 
 
 def sweep_spills(config: Config, steps: Steps, warnings: list[Finding], dirs: tuple[str, ...] = ()) -> str | None:

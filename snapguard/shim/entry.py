@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         runc = pinned_runc()
     except ConfigError as e:
         return _fail(e.reason, str(e), args)
+    if "resume" in args:  # a pause a killed executor lifted goes back first (the rare verb pays)
+        from ._resume import before_resume
+
+        before_resume(args)
     os.execv(runc, [runc, *args])
     return 1  # not reached: execv replaces this process
 

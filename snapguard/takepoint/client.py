@@ -199,21 +199,37 @@ def _exchange(s: socket.socket, line: str, send: int | None = None) -> tuple[dic
         raise
 
 
+_STATUS_WAIT_S = 5.0  # a hook answers its status from a thread of its own, at once
+
+
 def trainers(pids: list[int], proc: str | None = None) -> dict[int, dict[str, Any]]:
     """{pid: status} of the pids whose hook has its step hook registered (they train); a launcher
     that runs the hook but no optimizer is not one to wait for, nor is a process of a trainer's
-    torch.compile pool (it imports torch's optimizers, with the hook it inherited, but never steps)."""
-    found = {}
+    torch.compile pool (it imports torch's optimizers, with the hook it inherited, but never steps).
+    A process whose socket is there but does not answer (a hook that hangs, a socket answered by
+    another process) is TAKE_POINT_UNREACHABLE: it may be a trainer mid-step, which no snapshot
+    may catch so, and which nothing would wait for. One gone meanwhile is left out."""
+    found, unreachable = {}, {}
     for pid in pids:
         path = socket_for(pid, proc)
         if path is None:
             continue
         try:
-            st = _ask(path, pid, status_request(), 5.0)
-        except (OSError, ValueError):
+            st = _ask(path, pid, status_request(), _STATUS_WAIT_S)
+        except (OSError, ValueError) as e:
+            if procfs.alive(pid):
+                timed_out = isinstance(e, TimeoutError)
+                unreachable[pid] = (path, f"no answer in {_STATUS_WAIT_S:g} s" if timed_out else str(e) or repr(e))
             continue
         if st.get(TRAINER):
             found[pid] = {**st, SOCKET: path}
+    if unreachable:
+        raise SnapguardError(Reason.TAKE_POINT_UNREACHABLE,
+                             f"pid(s) {sorted(unreachable)} have a take-point socket that does not answer: " +
+                             "; ".join(f"pid {p}: {why}" for p, (_, why) in sorted(unreachable.items())) +
+                             "; nothing was frozen",
+                             evidence={"pids": sorted(unreachable),
+                                       "sockets": {str(p): path for p, (path, _) in unreachable.items()}})
     pools = {p for st in found.values() for p in (st.get(COMPILE_POOL) or {}).get(POOL_PIDS, [])}
     return {pid: st for pid, st in found.items() if pid not in pools}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from snapguard import install
-from snapguard.config import load
+from snapguard.config import DEFAULTS, load
 from snapguard.reasons import SnapguardError
 from tests.unit.test_install import DEBIAN_12_CONFIG, SNAPGUARD, SNAPGUARD_RUNC, Node, _exe, _toml, node
 
@@ -74,10 +74,10 @@ def test_containerd_16_with_debians_config(node: Node) -> None:
     assert config["runc"] == str(node.runc) and config["criu"] == str(node.criu)
     assert config["criu_libdir"] == str(node.libdir) and config["cuda_checkpoint"] == "/usr/local/bin/cuda-checkpoint"
     assert load({"SNAPGUARD_CONFIG": str(node.config)}).runc == str(node.runc)  # snapguard reads it
-    # a switch at its default is not written: an older snapguard, which refuses keys it does not
-    # know, still reads the file, and the plan still shows it
+    # a switch (or the agent's string) at its default is not written: an older snapguard, which
+    # refuses keys it does not know, still reads the file, and the plan still shows it
     for switch in install.UNWRITTEN_DEFAULTS:
-        assert switch not in config and plan.facts["config"][switch]["value"] is True
+        assert switch not in config and plan.facts["config"][switch]["value"] == DEFAULTS[switch]
     for path, mode in ((node.dropin, 0o644), (node.main, 0o644), (node.config, 0o644), (node.state, 0o600)):
         st = os.stat(path)
         assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0), path
@@ -296,3 +296,30 @@ def test_cli_launcher_flags_build_install_and_drop_it(node: Node) -> None:
     assert dropped.returncode == 0, dropped.stderr
     assert not launcher.exists() and not (node.config.parent / "runc-launcher.pin").exists()
     assert binary_name() == os.path.realpath(SNAPGUARD_RUNC)
+
+
+def test_store_is_given_to_containerd_through_a_systemd_dropin(node: Node) -> None:
+    """--store writes SNAPGUARD_STORE into a drop-in for containerd's unit (the pod fence reads it
+    from containerd's environment): a daemon-reload among the next steps, unchanged on a second
+    run, kept by a run without --store, removed by --uninstall; without any, the next steps
+    (printed and --json's `next`) say containerd needs it."""
+    units = node.etc / "systemd" / "system" / "containerd.service.d"
+    plan = node.install(systemd_dir=str(units))
+    assert any("SNAPGUARD_STORE" in s and "--store" in s for s in plan.to_dict()["next"])
+    dropin = units / "snapguard-store.conf"
+    assert not dropin.exists()
+    plan = node.install(store="s3://snaps/train%2Fa", systemd_dir=str(units))
+    text = dropin.read_text()
+    assert '[Service]\nEnvironment="SNAPGUARD_STORE=s3://snaps/train%%2Fa"\n' in text and os.stat(dropin).st_uid == 0
+    steps = plan.to_dict()["next"]
+    assert steps[0].startswith("systemctl daemon-reload") and steps[1].startswith("systemctl restart containerd")
+    assert not any("SNAPGUARD_STORE=<store URL>" in s for s in steps) and any("S3_ENDPOINT_URL" in s for s in steps)
+    assert "next:\n  1. systemctl daemon-reload" in plan.to_text(False)
+    again = node.install(store="s3://snaps/train%2Fa", systemd_dir=str(units))
+    assert not again.changed and not any(s.startswith("systemctl") for s in again.next_steps())
+    kept = node.install(systemd_dir=str(units))
+    assert not kept.changed and dropin.read_text() == text
+    assert kept.facts["store"] == {"url": None, "dropin": str(dropin)}
+    undo = node.uninstall(systemd_dir=str(units))
+    assert {c.path: c.action for c in undo.changes}[str(dropin)] == "remove" and not dropin.exists()
+    assert not units.exists() and undo.next_steps()[0].startswith("systemctl daemon-reload")
