@@ -1,12 +1,15 @@
 """The trainer-shape table of docs/benchmarks.md, made from scaling.py's JSON runs (never by hand):
 one row per (run, size, arm) with the preflight before the snapshot and the page cache each
-restore ran with, then each target of the 85 M rows against what was measured.
+restore ran with, then each target of the 85 M rows against what was measured; and the table of
+what each leave-running snapguard image holds (scaling.py's `image_parts`, from
+bench/gpu/image_parts.py), for the runs that carry it.
 
     .venv/bin/python bench/gpu/perf_table.py "drill, fresh=R/85m-fresh.json" "host data=R/hd.json" \\
         [--write docs/benchmarks.md]
 
-With --write the block between `<!-- perf-table:begin -->` and `<!-- perf-table:end -->` in that file
-is replaced; without, the table is printed.
+With --write the blocks between `<!-- perf-table:begin -->` and `<!-- perf-table:end -->`, and
+between `<!-- image-parts:begin -->` and `<!-- image-parts:end -->`, in that file are replaced;
+without, the tables are printed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+PARTS_BEGIN, PARTS_END = "<!-- image-parts:begin -->", "<!-- image-parts:end -->"
+# image_parts' page kinds, in the table's columns: the CUDA plugin's copy of the device (VMAs there
+# only while the process was suspended), the C heap, the rest of the anonymous memory, the rest
+PARTS = (("CUDA plugin's device copy", ("anon private, gone after the dump",)), ("heap", ("heap",)),
+         ("other anon", ("anon private", "anon shared (shmem)", "stack")))
 # (what, the summary's key or a function of the snapguard arm, the target, lower is better)
 TARGETS = (
     ("leave-running stall <= torch.save + fsync's stall (same run)", "stall", None),
@@ -94,33 +102,72 @@ def render(all_rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parts_rows(label: str, report: dict[str, Any]) -> list[str]:
+    """One table row per size whose snapguard leave-running snapshot carries `image_parts`."""
+    out = []
+    for size in report.get("sizes", []):
+        lr = size.get("arms", {}).get("snapguard", {}).get("leave_running", {})
+        ip = lr.get("image_parts")
+        if not isinstance(ip, dict) or "files_bytes" not in ip:
+            continue
+        kinds = dict(ip.get("pages_by_kind", {}))
+        cols = [sum(kinds.pop(k, 0) for k in names) for _, names in PARTS]
+        offload = next(iter(lr.get("take_point", {}).values()), {}).get("offload", {})
+        halved = offload.get("halved", {})
+        files = ip["files_bytes"]
+        gb = [files.get("spill", 0), *cols, sum(kinds.values()) + files.get("other", 0), ip.get("total_bytes", 0)]
+        out.append(f"| {label} | {size.get('label', size.get('size'))} | " + " | ".join(_f(v / 1e9) for v in gb)
+                   + f" | {halved.get('storages', 0)}, {_f(halved.get('saved_bytes', 0) / 1e9)} |")
+    return out
+
+
+def render_parts(lines: list[str]) -> str:
+    head = ["| run | size | spill GB | " + " | ".join(f"{name} GB" for name, _ in PARTS)
+            + " | files, libraries' pages GB | image GB | gradients halved (storages, GB saved) |",
+            "|---|---|---|" + "---|" * len(PARTS) + "---|---|---|"]
+    return "\n".join(head + lines) + "\n"
+
+
+def _replace(text: str, begin: str, end: str, block: str) -> str | None:
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        return None
+    head, rest = text.split(begin)
+    return f"{head}{begin}\n{block}{end}{rest.split(end, 1)[1]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="LABEL=JSON", help="a label for the run and scaling.py's JSON of it")
     ap.add_argument("--write", metavar="MD", help=f"replace the block between {BEGIN} and {END} in this file")
     args = ap.parse_args()
-    all_rows = []
+    all_rows, parts = [], []
     for spec in args.runs:
         label, sep, path = spec.partition("=")
         if not sep:
             print(f"perf_table.py: {spec!r} is not LABEL=JSON", file=sys.stderr)
             return 2
         try:
-            all_rows += rows(label, json.loads(Path(path).read_text()))
+            report = json.loads(Path(path).read_text())
+            all_rows += rows(label, report)
+            parts += parts_rows(label, report)
         except (OSError, ValueError) as e:
             print(f"perf_table.py: {path}: {e}", file=sys.stderr)
             return 2
-    table = render(all_rows)
+    table, parts_table = render(all_rows), render_parts(parts) if parts else None
     if not args.write:
-        sys.stdout.write(table)
+        sys.stdout.write(table + ("\n" + parts_table if parts_table else ""))
         return 0
     md = Path(args.write)
-    text = md.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+    text: str | None = _replace(md.read_text(), BEGIN, END, table)
+    if text is None:
         print(f"perf_table.py: {md} has no single {BEGIN} ... {END} block", file=sys.stderr)
         return 2
-    head, rest = text.split(BEGIN)
-    md.write_text(f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}")
+    if parts_table is not None:
+        text = _replace(text, PARTS_BEGIN, PARTS_END, parts_table)
+        if text is None:
+            print(f"perf_table.py: {md} has no single {PARTS_BEGIN} ... {PARTS_END} block", file=sys.stderr)
+            return 2
+    md.write_text(text)
     return 0
 
 

@@ -70,6 +70,8 @@ from snapguard.pipeline import checkpoint_pid, restore_images
 from snapguard.reasons import SnapguardError
 from snapguard_lab.torch_drill import Trainer
 
+import image_parts  # bench/gpu/image_parts.py, beside this script
+
 SIZES = {"85m": (768, 12), "350m": (1152, 22), "1.2b": (2040, 24)}
 HEADS = 12  # train.py's GPT(heads=12): no flag changes it
 ARMS = ("snapguard", "raw", "file")
@@ -83,6 +85,38 @@ FIXED_S = 20.0
 DROP_GRADS = os.environ.get("SNAPGUARD_TAKE_DROP_GRADS", "0").strip().lower() in ("1", "true", "yes", "on")
 # the take point's move of the tensors' bytes to host memory for the hold: on unless set to 0 here
 OFFLOAD = os.environ.get("SNAPGUARD_TAKE_OFFLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def image_parts_of(img: Path, pid: int) -> dict[str, Any]:
+    """image_parts.account of a leave-running image, the trainer still running (which of the dumped
+    VMAs are still mapped); the error where it cannot be read (the arm goes on)."""
+    try:
+        return image_parts.account(str(img), pid, top=16)
+    except (OSError, ValueError, IndexError, KeyError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def loss_bits(run: Trainer) -> dict[str, str]:
+    """{step: the loss's float32 bits} as the trainer (and the trainers restored from it) logged them."""
+    return {str(step): bits for step, bits, _, _ in run.rows()}
+
+
+def same_losses(arms: dict[str, Any]) -> dict[str, Any]:
+    """The snapguard arm's losses against every other arm's, step by step (the trainer is
+    deterministic: a snapshot and a restore, the move of the tensors and their halves included,
+    must leave every bit as an arm that never moved them): per arm the steps both logged, whether
+    every one is the same and the first that is not."""
+    mine = (arms.get("snapguard") or {}).get("loss_bits") or {}
+    out: dict[str, Any] = {}
+    for name, arm in arms.items():
+        theirs = arm.get("loss_bits") if isinstance(arm, dict) and name != "snapguard" else None
+        if not mine or not theirs:
+            continue
+        common = sorted(set(mine) & set(theirs), key=int)
+        differ = [s for s in common if mine[s] != theirs[s]]
+        out[name] = {"steps": len(common), "same": bool(common) and not differ,
+                     "first_different": int(differ[0]) if differ else None}
+    return out
 
 
 def say(msg: str) -> None:
@@ -358,7 +392,8 @@ class Bench:
             t_done = time.time()
             wait_step(run, run.rows()[-1][0] + gap, self.timeout)
             out["leave_running"] = {"stall_s": stall(run.rows(), t_req, t_done),
-                                    "request_to_complete_image_s": t_done - t_req, **d}
+                                    "request_to_complete_image_s": t_done - t_req, **d,
+                                    "image_parts": image_parts_of(img, pid)}
             shutil.rmtree(img, ignore_errors=True)
             say(f"{label} {stack} leave-running: stall {_f(out['leave_running']['stall_s'])} s, "
                 f"image {d['image_bytes'] / 1e9:.2f} GB")
@@ -378,6 +413,7 @@ class Bench:
             out["step_time_s"] = median_step(run.rows())
             return _summary(out)
         finally:
+            out["loss_bits"] = loss_bits(run)
             self.finish(run)
 
     def snapguard(self, label: str, w: int, layers: int) -> dict[str, Any]:
@@ -512,6 +548,7 @@ class Bench:
                     f"{dc['bytes'] / 1e9:.2f} GB")
             except (RuntimeError, TimeoutError, OSError) as e:
                 dc = _failed(e)
+            ts["loss_bits"] = loss_bits(run)
             self.finish(run)
             shutil.rmtree(dcp_dir, ignore_errors=True)
             # the resume, from a cold page cache
@@ -903,6 +940,7 @@ def main() -> int:
                 save()
             size["params_logged"] = next((a.get("params_logged") for a in size["arms"].values()
                                           if isinstance(a, dict) and a.get("params_logged")), None)
+            size["snapguard_losses_vs"] = same_losses(size["arms"])
             save()
     except (_Terminated, KeyboardInterrupt) as e:
         report["interrupted"] = str(e) or type(e).__name__

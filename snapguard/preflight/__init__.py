@@ -34,13 +34,14 @@ from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._report import check_error_message as check_error_message
 from .facts import HostFacts as HostFacts
+from .mounts import check_container_mounts as check_container_mounts
 from .workload import groups_released as groups_released
 from .workload import run_checks as workload_checks
 
 T = TypeVar("T")
 
 __all__ = ["CAPABILITIES", "CAPABILITY_NAMES", "EXIT_BLOCKED", "EXIT_READY", "EXIT_UNCHECKED", "CheckResult",
-           "HostChecks", "HostFacts", "Report", "check_error_message", "container_report", "default_requirements", "groups_released", "host_checks",
+           "HostChecks", "HostFacts", "Report", "check_container_mounts", "check_error_message", "container_report", "default_requirements", "groups_released", "host_checks",
            "host_checks_ahead", "manifest_report", "node_report", "pid_report", "workload_checks"]
 
 
@@ -99,16 +100,50 @@ def host_checks_ahead(config: Config, criu: str | None = None, gpu_required: boo
     report = Report("--host")
     report.host.update({"host": procfs.host_facts()})
     gpu_required = os.path.exists(gpu.NVIDIA_DRIVER) if gpu_required is None else gpu_required
-    results = []
-    for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
-        if name in leave:
-            continue
-        before = report.host.to_dict()
-        report.run(name, check)
-        left = {k: v for k, v in report.host.to_dict().items() if k not in before or before[k] is not v}
-        results.append((name, key, report.checks[-1], left))
+    results = _run_host_plan(report, config, gpu_required, criu or config.criu, network_lock, leave=leave)
     assert report.host.host is not None
     return HostChecks(config.as_dict(), report.host.host, tuple(results), time.monotonic() - t, started=t)
+
+
+def _run_host_plan(report: Report, config: Config, gpu_required: bool, criu: str, network_lock: bool,
+                   ahead: HostChecks | None = None,
+                   leave: tuple[str, ...] = ()) -> list[tuple[str, tuple[Any, ...], CheckResult, dict[str, Any]]]:
+    """The host checks of `_host_plan` into `report`, in the plan's order: those `ahead` has a
+    matching result for taken from it, the rest run all at once (`host.run_concurrently`), each
+    against a Report of its own, so the facts each leaves are its own; `leave`: not run. (name,
+    key, result, facts it left) of each."""
+    plan = _host_plan(report, config, gpu_required, criu, network_lock)
+    base = report.host.to_dict()
+    jobs = []
+    for i, (name, key, _) in enumerate(plan):
+        if name in leave or (ahead is not None and ahead.result(name, key) is not None):
+            continue
+        own = Report(report.target)
+        own.host.update(base)
+        jobs.append((name, _one_check(own, name, _host_plan(own, config, gpu_required, criu, network_lock)[i][2])))
+    ran = dict(zip((name for name, _ in jobs), host.run_concurrently(jobs, host.HOST_CHECKS_DEADLINE_S)))
+    out = []
+    for name, key, _ in plan:
+        if name in leave:
+            continue
+        done = ahead.result(name, key) if ahead is not None else None
+        value = ran[name] if done is None else done
+        if isinstance(value, SnapguardError):  # it did not answer in time
+            value = (CheckResult(name, error=value.failure.detail, duration_s=host.HOST_CHECKS_DEADLINE_S), {})
+        report.checks.append(value[0])
+        report.host.update(value[1])
+        out.append((name, key, value[0], value[1]))
+    return out
+
+
+def _one_check(own: Report, name: str,
+               check: Callable[[], list[Finding]]) -> Callable[[], tuple[CheckResult, dict[str, Any]]]:
+    """A host check run in `own`: its result and the facts it left there."""
+    def run() -> tuple[CheckResult, dict[str, Any]]:
+        before = own.host.to_dict()
+        own.run(name, check)
+        return own.checks[-1], {k: v for k, v in own.host.to_dict().items() if k not in before or before[k] is not v}
+    return run
 
 
 def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | None = None,
@@ -122,13 +157,7 @@ def host_checks(report: Report, config: Config, gpu_required: bool, criu: str | 
     if ahead is not None and not ahead.made_under(config):
         ahead = None
     report.host.update({"host": dict(ahead.host) if ahead is not None else procfs.host_facts()})
-    for name, key, check in _host_plan(report, config, gpu_required, criu or config.criu, network_lock):
-        done = ahead.result(name, key) if ahead is not None else None
-        if done is None:
-            report.run(name, check)
-        else:
-            report.checks.append(done[0])
-            report.host.update(done[1])
+    _run_host_plan(report, config, gpu_required, criu or config.criu, network_lock, ahead=ahead)
 
 
 NVML_DEADLINE_S = 30.0
@@ -234,7 +263,9 @@ def container_report(container_id: str, runc_root: str | None, config: Config) -
     except SnapguardError as e:
         report.checks.append(_unchecked_or_blocked("runc-state", e))
         return report
-    return _tree_report(report, state["pid"], config, False)
+    _tree_report(report, state["pid"], config, False)
+    report.run("container-mounts", lambda: check_container_mounts(state["pid"], config.runc, runc_root, container_id))
+    return report
 
 
 def manifest_report(path: str, config: Config, criu: str | None = None, exact: bool = False,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from .. import criu, procfs
 from . import gpu
@@ -16,10 +19,61 @@ from ..takepoint import SPILL_TMPFS, node_spill_dir
 from ..trust import UntrustedPathError
 
 __all__ = ["spill_tmpfs", "check_criu", "check_network_lock", "check_privileges", "check_cuda_plugin", "check_runc",
-           "check_runtime_versions", "runtime_pairing", "CONTAINERD_PATHS", "IPTABLES_RESTORE"]
+           "check_runtime_versions", "runtime_pairing", "run_concurrently", "CONTAINERD_PATHS", "HOST_CHECKS_DEADLINE_S",
+           "IPTABLES_RESTORE"]
 
+T = TypeVar("T")
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
 IPTABLES_RESTORE = ("/usr/sbin/iptables-restore", "/sbin/iptables-restore")
+
+
+# How long the host checks run together may take: past every probe's own deadline (`criu check`'s
+# 60 s, cuda-checkpoint's 30 s, NVML's 30 s), so one of those answers first; this only bounds a
+# check that has none of its own.
+HOST_CHECKS_DEADLINE_S = 90.0
+
+
+def run_concurrently(jobs: Sequence[tuple[str, Callable[[], T]]],
+                     deadline_s: float = HOST_CHECKS_DEADLINE_S) -> list[T | SnapguardError]:
+    """Each job (name, fn) in a daemon thread of its own, all started at once: the host probes are
+    independent children and reads (`criu check`, `cuda-checkpoint -h`, NVML, libcuda's symbol
+    table), so the preflight waits for the slowest of them rather than for their sum. Their values
+    in the order given; an exception a job raised is its value; one still running `deadline_s`
+    after the start is a SnapguardError (PREFLIGHT_FAILED) in its place (a thread left blocked
+    dies with the process)."""
+    import threading
+
+    boxes: list[dict[str, Any]] = [{} for _ in jobs]
+
+    def call(box: dict[str, Any], fn: Callable[[], T]) -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    # each named as the caller's thread: what they run is its work (the restore's host checks run
+    # in a thread of their own while the image is fetched, and say so by its name)
+    caller = threading.current_thread().name
+    threads = [threading.Thread(target=call, args=(box, fn), name=caller, daemon=True) for box, (_, fn) in zip(boxes, jobs)]
+    end = time.monotonic() + deadline_s
+    for t in threads:
+        t.start()
+    out: list[T | SnapguardError] = []
+    for t, box, (name, _) in zip(threads, boxes, jobs):
+        t.join(max(0.0, end - time.monotonic()))
+        if t.is_alive():
+            out.append(SnapguardError(Reason.PREFLIGHT_FAILED, f"the {name} check did not answer within "
+                                      f"{deadline_s:g} s", evidence={"check": name, "deadline_s": deadline_s}))
+        elif "error" in box:
+            err = box["error"]
+            if not isinstance(err, Exception):
+                raise err  # KeyboardInterrupt, SystemExit: not a check's result
+            out.append(err if isinstance(err, SnapguardError) else SnapguardError(
+                Reason.PREFLIGHT_FAILED, f"the {name} check failed: {type(err).__name__}: {err}"[:400],
+                evidence={"check": name}))
+        else:
+            out.append(box["value"])
+    return out
 
 
 def check_privileges(proc: str | None = None) -> list[Finding]:

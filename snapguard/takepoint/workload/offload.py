@@ -1,6 +1,6 @@
 """The hold's move of the stepped optimizer's tensors off the device into host memory, and back on
-the release (`Offload`); with the helpers the hold uses around it (the host's room, cuBLAS's
-workspaces, the C heap's trim, the gradients dropped)."""
+the release (`Offload`); with the helpers the hold uses around it (the host's room and the C heap's
+trim, from hostmem; cuBLAS's workspaces; the gradients dropped)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,13 @@ import time
 from typing import Any, Sequence
 
 from ..protocol import ERROR, MOVED_BYTES, MOVED_STORAGES, SPILL, SPILL_BYTES, SPILL_PATH
+from . import halves
+from .hostmem import host_anon_bytes, host_room, malloc_trim
 from .ring import ALIGN, Arena, Ring, as_bytes
 from .spill import SpillArena
 
 __all__ = ["Offload", "clear_cublas_workspaces", "drop_grads", "host_anon_bytes", "host_room", "malloc_trim",
            "optimizer_tensors"]
-
-
-def host_anon_bytes() -> int:
-    """Resident anonymous memory (RssAnon) of this process, 0 where procfs does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def clear_cublas_workspaces(torch: Any) -> bool:
@@ -45,18 +35,6 @@ def clear_cublas_workspaces(torch: Any) -> bool:
         return False
 
 
-def malloc_trim() -> None:
-    """glibc's malloc_trim(0): return free heap pages to the kernel. Nothing elsewhere (musl)."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-
-
 class Offload:
     """The hold's move of the stepped optimizer's tensors off the device, and back on the release.
 
@@ -68,6 +46,8 @@ class Offload:
     every Python reference to it stays valid (FSDP's resize_(0)). The driver's checkpoint then holds
     what is left (the CUDA context, other tensors). On the release each storage gets fresh device
     memory and its bytes back, before the trainer's next step: the same bytes at another address.
+    A storage whose every 4-byte word has zero low 16 bits (bfloat16 values held as float32: the
+    gradients under bf16 autocast) keeps only its high halves in the arena (halves.py).
 
     Only the optimizer's tensors move: what the trainer's step owns. Nothing moves while something
     may replay kernels at fixed addresses (a CUDA graph, memory in a private pool: torch.compile's
@@ -77,9 +57,14 @@ class Offload:
     read by another process) cannot be seen here: such a trainer, or one whose own threads touch
     the optimizer's tensors while it is held, sets SNAPGUARD_TAKE_OFFLOAD=0."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, halve: bool | None = None) -> None:
         self.device_type = device_type
+        # storages kept at half their size where lossless (halves.py); on by default on a GPU, where
+        # the check is a reduction per storage at the device's rate (on a CPU it reads every byte)
+        self.halve = device_type == "cuda" if halve is None else halve
         self.moved: list[tuple[Any, int, int]] = []  # (the storage, its bytes' offset in the arena, their count)
+        self.halved: set[int] = set()  # arena offsets of the storages kept as their high halves (halves.py)
+        self.give_up = 0.0  # the reload's deadline for device memory (time.monotonic())
         self.arena: Arena | None = None
         self.spill_fd: int | None = None  # a SpillArena's descriptor, for the executor
         self.figures: dict[str, Any] = {"state": "none"}
@@ -176,18 +161,24 @@ class Offload:
             self.figures = {"state": "skipped", "why": blocker}
             return self.figures
         movable.sort(key=lambda st: st.nbytes(), reverse=True)
+        error, pinned, halved = None, None, set()
+        try:
+            if self.device_type == "cuda":  # every device the copies read from, not only the current one
+                for index in sorted({st.device.index for st in movable if st.device.index is not None}):
+                    torch.cuda.synchronize(index)
+            if self.halve:
+                halved = {st._cdata for st, ok in zip(movable, halves.exact(torch, movable)) if ok}
+        except Exception as e:  # nothing is copied: every storage stays as it was
+            error, movable = f"{type(e).__name__}: {e}"[:300], []
         # host memory the copies may take: a trainer the kernel or its cgroup would kill for it is
         # worse off than one whose bytes the driver copies (which fails with an error when short)
         room = int(host_room() * 0.8) - Ring.pinned_bytes() if room is None else room
-        fits, offsets, total, left = _fit(movable, room)  # left: bytes that stay, here those with no room
+        fits, offsets, total, left = _fit(movable, room, halved)  # left: bytes that stay, here those with no room
+        self.halved = {offset for st, offset in zip(fits, offsets) if st._cdata in halved}
         fitting = sum(st.nbytes() for st in fits)
-        error, pinned = None, None
         self.spill_error = None
         ring: Ring | None = None
         try:
-            if self.device_type == "cuda":  # every device the copies read from, not only the current one
-                for index in sorted({st.device.index for st in fits if st.device.index is not None}):
-                    torch.cuda.synchronize(index)
             prepare = None
             if fits:
                 prepare = self._open_arena(torch, total, spill_dir)
@@ -207,12 +198,15 @@ class Offload:
             self.discard()
         elif isinstance(self.arena, SpillArena):
             # unmapped and handed over before the hold is reported: CRIU never sees these bytes
-            self.spill_fd = self.arena.handover(max(offset + n for _, offset, n in self.moved))
+            self.spill_fd = self.arena.handover(max(offset + self.kept(offset, n) for _, offset, n in self.moved))
             spill = {SPILL_PATH: self.arena.path, SPILL_BYTES: self.arena.size}
         left += fitting - sum(n for _, _, n in self.moved)  # past the deadline, or failed
         state = "moved" if not left and error is None else ("failed" if error and not self.moved else "partial")
-        self.figures = {"state": state, MOVED_STORAGES: len(self.moved), MOVED_BYTES: sum(n for _, _, n in self.moved),
-                        "kept_bytes": kept, **({"left_bytes": left} if left else {}),
+        self.figures = {"state": state, MOVED_STORAGES: len(self.moved),
+                        MOVED_BYTES: sum(self.kept(offset, n) for _, offset, n in self.moved), "kept_bytes": kept,
+                        **({"halved": {"storages": len(self.halved), "saved_bytes": sum(
+                            n - self.kept(o, n) for _, o, n in self.moved)}} if self.halved else {}),
+                        **({"left_bytes": left} if left else {}),
                         **({ERROR: error} if error else {}),
                         **({"pinned": pinned} if pinned is not None and self.device_type == "cuda" else {}),
                         **({SPILL: spill} if spill else {}),
@@ -254,13 +248,31 @@ class Offload:
                     break
                 continue
             assert ring is not None and self.arena is not None
-            ring.out(as_bytes(torch, storage, n), self.arena.view(offset, n), prepare)
+            # a halved storage's high halves: a copy of its own, freed in the stream's order
+            src = halves.high_halves(torch, storage, n) if offset in self.halved else as_bytes(torch, storage, n)
+            ring.out(src, self.arena.view(offset, src.numel()), prepare)
             issued.append((storage, offset, n))
             copied += n
             rate = max(copied / max(time.monotonic() - t1, 1e-6), 1e8)
         if ring is not None:
             ring.finish()
         return issued
+
+    def kept(self, offset: int, n: int) -> int:
+        """The bytes the arena holds of the storage of n bytes at `offset`."""
+        return n // 2 if offset in self.halved else n
+
+    def _back(self, torch: Any, storage: Any, offset: int, n: int) -> Any:
+        """Where the arena's bytes of a storage go on the device: the storage's own bytes, or for a
+        halved one a buffer of their size, widened into it by `_widen` after the copy."""
+        if offset not in self.halved:
+            return as_bytes(torch, storage, n)
+        return self._patiently(torch, lambda: torch.empty(n // 2, dtype=torch.uint8, device=storage.device))
+
+    def _widen(self, torch: Any, back: list[tuple[Any, int, int, Any]]) -> None:
+        for storage, offset, n, dev in back:
+            if offset in self.halved:
+                halves.widen(torch, storage, n, dev)
 
     def reload(self, torch: Any, patience_s: float = 0.0, source_fd: int | None = None) -> None:
         """Every moved storage back on its device, with its bytes; the host copies unmapped. Device
@@ -270,20 +282,10 @@ class Offload:
         later reload starts over). A spilled arena's bytes are read from `source_fd` (the release
         passes the executor's: the image's file after a restore), else from its own file by name;
         the file's name is gone once they are back. The caller keeps `source_fd` and closes it."""
-        give_up = time.monotonic() + patience_s
-        oom = getattr(torch, "OutOfMemoryError", RuntimeError)
+        self.give_up = time.monotonic() + patience_s
         for storage, offset, n in self.moved:  # device memory for all first: a failure copies nothing
-            while True:
-                try:
-                    if storage.nbytes() != n:  # resize_ to its own size would allocate and copy again
-                        storage.resize_(n)
-                    break
-                except oom:
-                    if time.monotonic() >= give_up:
-                        raise
-                    if self.device_type == "cuda":
-                        torch.cuda.empty_cache()
-                    time.sleep(0.5)
+            if storage.nbytes() != n:  # resize_ to its own size would allocate and copy again
+                self._patiently(torch, lambda: storage.resize_(n))
         if self.moved and isinstance(self.arena, SpillArena):
             self._reload_spilled(torch, self.arena, source_fd)
         elif self.moved:
@@ -293,17 +295,35 @@ class Offload:
                 ring: Ring | None = Ring(torch, self.device_type == "cuda")
             except Exception:  # no thread or mapping to spare for it: the plain copies, slower
                 ring = None
-            if ring is None:
-                for storage, offset, n in self.moved:
-                    as_bytes(torch, storage, n).copy_(arena.view(offset, n))
-            else:
-                try:
-                    for storage, offset, n in self.moved:
-                        ring.back(arena.view(offset, n), as_bytes(torch, storage, n))
-                    ring.finish()
-                finally:
+            try:
+                for batch in _batches(self.moved, self.halved):  # the halved ones' buffers, a batch at a time
+                    back = [(st, offset, n, self._back(torch, st, offset, n)) for st, offset, n in batch]
+                    for _, offset, _, dev in back:
+                        if ring is None:
+                            dev.copy_(arena.view(offset, dev.numel()))
+                        else:
+                            ring.back(arena.view(offset, dev.numel()), dev)
+                    if ring is not None:
+                        ring.finish()
+                    self._widen(torch, back)
+            finally:
+                if ring is not None:
                     ring.close()
         self.discard()
+
+    def _patiently(self, torch: Any, allocate: Any) -> Any:
+        """allocate(), tried again while the device has no memory for it, the allocator's cache
+        emptied in between, until `give_up` (time.monotonic()); then its error is raised."""
+        oom = getattr(torch, "OutOfMemoryError", RuntimeError)
+        while True:
+            try:
+                return allocate()
+            except oom:
+                if time.monotonic() >= self.give_up:
+                    raise
+                if self.device_type == "cuda":
+                    torch.cuda.empty_cache()
+                time.sleep(0.5)
 
     def spilled(self) -> bool:
         return bool(self.moved) and isinstance(self.arena, SpillArena)
@@ -341,33 +361,53 @@ class Offload:
             if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != arena.size:
                 fd, own = arena.reopen(), True
             assert fd is not None
-            parts = [(offset, as_bytes(torch, storage, n)) for storage, offset, n in self.moved]
             try:
                 ring: Ring | None = Ring(torch, self.device_type == "cuda")
             except Exception:  # no thread or mapping to spare for it: plain copies from a private mapping
                 ring = None
-            if ring is None:
-                with mmap.mmap(fd, arena.size, flags=mmap.MAP_PRIVATE) as view:  # never written: the image's file
-                    host = torch.frombuffer(view, dtype=torch.uint8)
-                    for offset, dev in parts:
-                        dev.copy_(host[offset:offset + dev.numel()])
-                    del host
-            else:
-                try:
-                    ring.back_from_file(fd, parts)
-                finally:
+            try:
+                for batch in _batches(self.moved, self.halved):  # the halved ones' buffers, a batch at a time
+                    back = [(st, offset, n, self._back(torch, st, offset, n)) for st, offset, n in batch]
+                    if ring is None:
+                        with mmap.mmap(fd, arena.size, flags=mmap.MAP_PRIVATE) as view:  # never written
+                            host = torch.frombuffer(view, dtype=torch.uint8)
+                            for _, offset, _, dev in back:
+                                dev.copy_(host[offset:offset + dev.numel()])
+                            del host
+                    else:
+                        ring.back_from_file(fd, [(offset, dev) for _, offset, _, dev in back])
+                    self._widen(torch, back)
+            finally:
+                if ring is not None:
                     ring.close()
         finally:
             if own and fd is not None:
                 os.close(fd)
 
 
-def _fit(movable: list[Any], room: int) -> tuple[list[Any], list[int], int, int]:
-    """The storages of `movable` that fit in `room` bytes, in order, each from a page of the arena:
-    (those, their offsets, the arena's size, the bytes of those left out)."""
+def _batches(moved: list[tuple[Any, int, int]], halved: set[int],
+             most: int = 256 << 20) -> list[list[tuple[Any, int, int]]]:
+    """`moved` in order, cut so that the halved storages of a batch need at most `most` bytes of
+    device buffers on the reload (a batch holds one storage at least)."""
+    out: list[list[tuple[Any, int, int]]] = [[]]
+    used = 0
+    for entry in moved:
+        need = entry[2] // 2 if entry[1] in halved else 0
+        if need and used + need > most and out[-1]:
+            out.append([])
+            used = 0
+        out[-1].append(entry)
+        used += need
+    return out if out[0] else []
+
+
+def _fit(movable: list[Any], room: int, halved: set[int]) -> tuple[list[Any], list[int], int, int]:
+    """The storages of `movable` that fit in `room` bytes, in order, each from a page of the arena
+    (a storage whose key is in `halved` takes half its bytes): (those, their offsets, the arena's
+    size, the bytes of those left out)."""
     fits, offsets, total, left = [], [], 0, 0
     for storage in movable:
-        size = -(-storage.nbytes() // ALIGN) * ALIGN
+        size = -(-(storage.nbytes() // (2 if storage._cdata in halved else 1)) // ALIGN) * ALIGN
         if total + size > room:
             left += storage.nbytes()
             continue
@@ -393,34 +433,6 @@ def optimizer_tensors(torch: Any, optimizer: Any) -> list[Any]:
     except Exception:  # a hook never stops the trainer: nothing moves
         return []
     return [local if (local := getattr(t, "_local_tensor", None)) is not None else t for t in out]
-
-
-
-def host_room(proc_self: str = "/proc/self", cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """Bytes of memory this process may still take: the kernel's MemAvailable, and below it what
-    its cgroup (v2) leaves under memory.max; 0 when the kernel does not say."""
-    room = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    room = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        return 0
-    try:
-        with open(f"{proc_self}/cgroup") as f:
-            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
-        if path is not None:
-            base = os.path.join(cgroup_root, path.lstrip("/"))
-            with open(os.path.join(base, "memory.max")) as f:
-                limit = f.read().strip()
-            if limit != "max":
-                with open(os.path.join(base, "memory.current")) as f:
-                    room = min(room, max(0, int(limit) - int(f.read().strip())))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 here, or no memory controller: the kernel's figure alone
-    return room
 
 
 def drop_grads(optimizer: Any) -> int:
