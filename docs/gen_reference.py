@@ -63,6 +63,9 @@ NOTES: dict[str, tuple[str, str]] = {
                                "moved into host memory or the spill)"),
     "SNAPGUARD_TAKE_OFFLOAD_DEVICE": ("trainer", "`cpu`: move a CPU trainer's optimizer tensors (the same "
                                       "copy, mapping and reload without a GPU; default `cuda`)"),
+    "SNAPGUARD_TAKE_CUDA_STACK": ("trainer", "0: the hold leaves the CUDA runtime's stack size limit as it is "
+                                  "(default: lowered to 0 while held, set back at the release, so the image "
+                                  "does not carry the per-thread stack reservation)"),
     "SNAPGUARD_TAKE_DROP_GRADS": ("trainer", "1: the hold sets the stepped optimizer's gradients to None, so "
                                   "neither the GPU checkpoint nor the image carries them (default off)"),
     "SNAPGUARD_TAKE_SPILL": ("trainer", "0: the moved bytes stay in the trainer's memory, where CRIU writes "

@@ -49,6 +49,7 @@ OFFLOAD_ENV = "SNAPGUARD_TAKE_OFFLOAD"  # 0: the optimizer's tensors stay on the
 OFFLOAD_DEVICE_ENV = "SNAPGUARD_TAKE_OFFLOAD_DEVICE"  # cpu: a CPU trainer's tensors move (the tests')
 SPILL_ENV = "SNAPGUARD_TAKE_SPILL"  # 0: a take asked to spill keeps the moved bytes in memory
 SPILL_DIR_ENV = "SNAPGUARD_TAKE_SPILL_DIR"  # where the spill's file goes
+CUDA_STACK_ENV = "SNAPGUARD_TAKE_CUDA_STACK"  # 0: the hold leaves the CUDA stack size limit as it is
 GROUPS_ENV = "SNAPGUARD_TAKE_GROUPS"  # 0: torch.distributed's groups are left as torch makes them
 RENDEZVOUS_ENV = "SNAPGUARD_RENDEZVOUS"  # the executor's: HOST:PORT a restore's release names
 

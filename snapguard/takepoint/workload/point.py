@@ -15,8 +15,11 @@ from typing import Any
 from ..protocol import (COMPILE_POOL, ERROR, GPU_HANDLES_DROPPED, GROUPS, HOLD_S_ENV, OFFLOAD, PID,
                         POOL_SHUTDOWN_AT_TAKE, POOL_STATE, RESOLVE, RESOLVE_ERROR, SPILL, SPILL_BUSY, SPILL_DIR, STEP)
 from . import env, forks
+from .agent import AGENT
 from .compile_pool import POOL_SHUTDOWN_S, CompilePool
+from .groups import AGENT_FIELD
 from .groups import GROUPS as PROCESS_GROUPS
+from .cudalimits import StackLimit
 from .offload import Offload, clear_cublas_workspaces, drop_grads, host_anon_bytes, malloc_trim, optimizer_tensors
 
 __all__ = ["RELOAD_PATIENCE_S", "TakePoint"]
@@ -27,7 +30,7 @@ RELOAD_PATIENCE_S = 60.0  # how long the release waits for device memory another
 class TakePoint:
     def __init__(self, resolve: bool = False) -> None:
         self.step = 0
-        self.trainer = False  # the step hook is registered: this process imported torch's optimizers
+        self._trainer = False  # the step hook is registered: this process imported torch's optimizers
         self.resolve = resolve  # forked children drop GPU handles; the compile pool goes when idle
         self.pool = CompilePool()
         self.hold_at: int | None = None
@@ -46,6 +49,16 @@ class TakePoint:
         # then (the executor's wait ran out: it snapshots without the hold) would need it
         self.spill_busy = False
         self.rendezvous: str | None = None  # where the release moved the groups' store (HOST:PORT)
+
+    @property
+    def trainer(self) -> bool:
+        """The step hook is registered, and this is no torchrun agent (it imports torch's
+        optimizers, never steps: its workers are the trainers)."""
+        return self._trainer and not AGENT.active
+
+    @trainer.setter
+    def trainer(self, value: bool) -> None:
+        self._trainer = value
 
     def arm(self, at_step: int | None, wait_s: float = 10.0, spill: bool = False) -> None:
         with self.lock:
@@ -124,6 +137,8 @@ class TakePoint:
             out[RESOLVE_ERROR] = self.resolve_error
         if "torch.distributed" in sys.modules:
             out[GROUPS] = PROCESS_GROUPS.status()
+        if AGENT.active:
+            out[AGENT_FIELD] = AGENT.status()
         return out
 
     def _hold(self, optimizer: Any = None) -> None:
@@ -133,7 +148,7 @@ class TakePoint:
         pool = self._settle_pool()
         # then the process groups: every rank drains, its communicators and store connections go
         groups = PROCESS_GROUPS.release(max(1.0, self.wait_s - (time.monotonic() - self.armed_at)), self.step)
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = torch.cuda.is_initialized()  # not is_available(): that initialises the driver in a CPU rank
         reserved_before = torch.cuda.memory_reserved() if cuda else 0
         host_before = host_anon_bytes()
         t0 = time.monotonic()
@@ -148,6 +163,9 @@ class TakePoint:
         gc.collect()
         offload = self._move(torch, optimizer, cuda)
         workspaces = self._empty_caches(torch, cuda, offload)
+        stack = StackLimit()
+        if cuda and offload is not None and offload.figures.get("state") in ("moved", "partial"):
+            stack.lower()  # no kernel runs until the release: the runtime's stack reservation goes
         self.figures = {
             PID: os.getpid(),
             STEP: self.step,
@@ -159,6 +177,8 @@ class TakePoint:
             "trim_s": time.monotonic() - t0,
             **({"grads_dropped_bytes": grads_dropped} if grads_dropped is not None else {}),
             **({"cublas_workspaces_cleared": workspaces} if workspaces is not None else {}),
+            **({"cuda_stack": stack.figures} if stack.figures else {}),
+            "device_used_after": _device_used(torch) if cuda else 0,
             "requested_at": self.requested_at,  # when the take arrived (unix time)
             "held_at": time.time(),
         }
@@ -173,6 +193,11 @@ class TakePoint:
         self.reached.set()
         # Hold at the boundary: the snapshot is taken while this thread waits here.
         self._wait_for_release(offload)
+        try:
+            stack.restore()  # before the trainer's next kernel
+        except Exception as e:
+            raise RuntimeError(f"snapguard take point: the CUDA stack size limit lowered for the snapshot "
+                               f"cannot be set back: {type(e).__name__}: {e}") from e
         self._end_hold(torch, offload)
         self._rebuild_groups()
 
@@ -283,3 +308,11 @@ class TakePoint:
                     pass
 
 
+def _device_used(torch: Any) -> int | None:
+    """The device memory in use on the current device (total - free: the context's own
+    reservations too, what the CUDA plugin's checkpoint copies), or None."""
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except Exception:
+        return None
+    return int(total - free)
