@@ -108,8 +108,9 @@ class Reason(enum.Enum):
                              "use a coordinated multi-rank snapshot or fall back to a file checkpoint")
     PROCESS_GROUP_UNREACHED = _Meta("a torch.distributed process group or store the take point cannot release at "
                                     "the hold", P, True, "make the groups with init_process_group (env:// or tcp://, "
-                                    "no store of the trainer's) and new_group over gloo or nccl, not under "
-                                    "torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=False)")
+                                    "no store of the trainer's) and new_group over gloo or nccl; under torchrun, "
+                                    "start torchrun itself with the take point's environment (its agent then "
+                                    "releases its stores too)")
     COLLECTIVE_IN_CUDA_GRAPH = _Meta("an NCCL collective was captured in a CUDA graph, which replays the "
                                      "communicator it captured: it cannot be released and rebuilt", P, True,
                                      "capture no collective in a CUDA graph (torch.compile mode=reduce-overhead "
@@ -126,6 +127,10 @@ class Reason(enum.Enum):
     TCP_ESTABLISHED = _Meta("a process has established TCP connections", P, True,
                             "pass --tcp-established (peers must tolerate it) or close the connections")
     SHM_DELETED_FILE = _Meta("a process maps a deleted /dev/shm file", P, True, "keep shared-memory files linked")
+    MOUNT_NOT_IN_SPEC = _Meta("the container has a mount that is neither one of its OCI spec's mounts nor one runc "
+                              "makes, which runc does not hand CRIU as external and CRIU cannot dump (a submount a "
+                              "recursive bind brought in)", P, True, "make the bind non-recursive (options "
+                              "[\"bind\"], not \"rbind\"), or name the submount as a mount of its own in the spec")
     FILE_CHANGED = _Meta("a file the image depends on changed size since the dump", R, True,
                          "restore the file as it was or open it O_APPEND")
     FILE_MISSING = _Meta("a file the image depends on is missing on this host", R, True,
@@ -156,6 +161,10 @@ class Reason(enum.Enum):
                                 "start every rank with snapguard's take-point hook; check no rank is stuck")
     TAKE_POINT_TIMEOUT = _Meta("the workload did not answer the take point in time", C, True,
                                "the snapshot went on with the allocator's whole reserve; check the hook is loaded")
+    TAKE_POINT_UNREACHABLE = _Meta("a process has a take-point socket that does not answer: a trainer that may be "
+                                   "hung or mid-step, which a snapshot would catch mid-step; nothing was frozen", C,
+                                   True, "find why the process does not answer (py-spy dump --pid PID); restart it "
+                                   "or end it, and retry")
 
     # GPU identity and capacity
     GPU_DRIVER_MISSING = _Meta("no NVIDIA driver is loaded on this node", P, True,
@@ -268,10 +277,13 @@ class Reason(enum.Enum):
                                         R, True, "start the job from the file checkpoint printed; the refusal says why")
 
     # the kubelet's path: CRI CheckpointContainer, OCI checkpoint images in a registry (snapguard.ocicheckpoint)
-    CRI_UNAVAILABLE = _Meta("the node's CRI socket could not be reached, or its CheckpointContainer or "
-                            "StopContainer call failed or ran past its deadline", C, True,
+    CRI_UNAVAILABLE = _Meta("the node's CRI socket could not be reached, a CRI call ran past its deadline, or "
+                            "a list or StopContainer call failed", C, True,
                             "check --cri-socket (containerd's CRI plugin) and the message containerd gave; the "
                             "job falls back to its file checkpoint")
+    CRI_CHECKPOINT_FAILED = _Meta("containerd's CRI CheckpointContainer failed and the runtime left no typed reason "
+                                  "of snapguard's", C, True, "read containerd's message quoted; the job falls back to "
+                                  "its file checkpoint")
     CRI_CLIENT_MISSING = _Meta("the CRI client (grpcio) is not installed", U, True,
                                "pip install 'snapguard[k8s]'")
     CHECKPOINT_ARCHIVE_INVALID = _Meta("a CRI checkpoint archive is not the layout containerd writes (config.dump, "

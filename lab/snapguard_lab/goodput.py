@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -556,9 +557,9 @@ class Arm:
 
     def go(self) -> dict[str, Any]:
         r = self.run
+        r.launch()  # its interpreter loads torch while the agent starts
         if self.spec.snapshot:
             r.start_agent()
-        r.launch()
         first = r.first_step_after(0)
         self.t0 = first[2]
         r.context_parity()
@@ -752,8 +753,8 @@ def calibrate(base: Path, trainer_args: tuple[str, ...], say: Callable[[str], No
     in the store, restore to first new step, notice to first new step)."""
     r = Run(base, "calibration", trainer_args, snapshot=True, say=say)
     try:
+        r.launch()  # its interpreter loads torch while the agent starts
         r.start_agent()
-        r.launch()
         r.first_step_after(0)
         stalls = []
         for _ in range(saves):
@@ -919,11 +920,14 @@ def _table(out: dict[str, Any]) -> str:
 
 def run_goodput_drill(workdir: str, *, seed: int = 1, compress: float = 1.0, shape: Shape = REFERENCE_SHAPE,
                       trainer_args: tuple[str, ...] = (), concurrent: bool = False, json_path: str | None = None,
-                      arms: str = "ABCD", context_parity: bool = True,
+                      arms: str = "ABCD", context_parity: bool = True, parallel: int = 1,
                       say: Callable[[str], None] | None = None) -> int:
     """The goodput drill; `shape` in the reference's seconds, divided by `compress`. Exit 0: every
     arm ran its events and every logged step has the uninterrupted run's loss bits; 1 otherwise.
-    `context_parity` applies only to a trainer on CUDA (not one given `--device cpu`)."""
+    `context_parity` applies only to a trainer on CUDA (not one given `--device cpu`). Without
+    `concurrent`, `parallel` runs (the calibration, the uninterrupted run, then the arms in order;
+    only arm C waits for the calibration) go at once, each starting as another ends: 2 on a CPU of
+    2 cores, each trainer single-threaded."""
     emit = say or (lambda text: print(text, flush=True))
     lock = threading.Lock()
 
@@ -948,7 +952,7 @@ def run_goodput_drill(workdir: str, *, seed: int = 1, compress: float = 1.0, sha
     try:
         parity = context_parity and not _on_cpu(trainer_args)
         return _drill(base, seed, compress, shape, scaled, schedule, specs, trainer_args, concurrent, json_path,
-                      say_, parity)
+                      say_, parity, parallel)
     finally:
         _subreaper(False)
 
@@ -960,12 +964,33 @@ def _on_cpu(trainer_args: tuple[str, ...]) -> bool:
 
 def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, schedule: list[Event],
            specs: list[ArmSpec], trainer_args: tuple[str, ...], concurrent: bool, json_path: str | None,
-           say_: Callable[[str], None], parity: bool = False) -> int:
-    cal = calibrate(base, trainer_args, say_)
-    period_c = cadence_for_c(cal, scaled)
-    say_(f"goodput: the planner sets arm C's files every {period_c:.2f} s")
-    periods = {"fixed": scaled.file_every_s, "planner": period_c, "none": None}
-    run_for = scaled.window_s * 1.1 + 5.0  # past the window: the arms' steps stay covered
+           say_: Callable[[str], None], parity: bool = False, parallel: int = 1) -> int:
+    # with `parallel`, the calibration is the first of the runs that go at once: only arm C, whose
+    # cadence the planner sets from the calibrated costs, waits for it
+    pool = ThreadPoolExecutor(max_workers=parallel) if parallel > 1 and not concurrent else None
+    calibrated: Future[dict[str, Any]] = Future()
+    if pool is not None:
+        calibrated = pool.submit(calibrate, base, trainer_args, say_)
+    else:
+        calibrated.set_result(calibrate(base, trainer_args, say_))
+    cadence: list[float] = []
+    cadence_lock = threading.Lock()
+
+    def period_c() -> float:
+        with cadence_lock:
+            if not cadence:
+                cadence.append(cadence_for_c(calibrated.result(), scaled))
+                say_(f"goodput: the planner sets arm C's files every {cadence[0]:.2f} s")
+            return cadence[0]
+
+    def period(spec: ArmSpec) -> float | None:
+        return {"fixed": scaled.file_every_s, "none": None}[spec.files] if spec.files != "planner" else period_c()
+
+    if pool is None:
+        period_c()
+    # past the window: the arms' steps stay covered (each is seconds behind by its window's end,
+    # and steps on only while it is torn down)
+    run_for = scaled.window_s * 1.1 + 2.0
     results: dict[str, dict[str, Any]] = {}
     ref: dict[str, Any] = {}
 
@@ -973,7 +998,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         ref.update(_reference(base, trainer_args, run_for, say_, parity))
 
     def do_arm(spec: ArmSpec) -> None:
-        arm = Arm(spec, base, scaled, schedule, trainer_args, periods[spec.files], say_, parity)
+        arm = Arm(spec, base, scaled, schedule, trainer_args, period(spec), say_, parity)
         try:
             results[spec.name] = arm.go()
         except (SnapguardError, RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, AssertionError) as e:
@@ -990,9 +1015,14 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
             t.start()
         for t in threads:
             t.join()
+    elif pool is not None:
+        with pool:
+            for done in [pool.submit(j) for j in jobs]:
+                done.result()
     else:
         for j in jobs:
             j()
+    cal = calibrated.result()
     if "log" not in ref:
         say_("goodput: the reference run failed")
         return 1
@@ -1014,7 +1044,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
         a["parity_credit_steps"] = credit_steps(a["parity_credit_s"], a["step_time_s"])
         a["goodput"] = (a["steps_at_window_end"] + a["parity_credit_steps"]) / ref_steps if ref_steps else 0.0
         a["goodput_uncredited"] = a["steps_at_window_end"] / ref_steps if ref_steps else 0.0
-        p = predict(spec, periods[spec.files], costs, mix)
+        p = predict(spec, period(spec), costs, mix)
         a["predicted_goodput"] = p["goodput"]
         a["prediction"] = p
         a["difference_points"] = 100.0 * (a["goodput"] - p["goodput"])
@@ -1031,7 +1061,7 @@ def _drill(base: Path, seed: int, compress: float, shape: Shape, scaled: Shape, 
     out = {"ok": ok, "seed": seed, "compress": compress, "concurrent": concurrent, "context_parity": parity,
            "shape_reference_s": asdict(shape), "shape_s": asdict(scaled), "trainer_args": list(trainer_args),
            "schedule": [e.to_dict() for e in schedule],
-           "calibration": {**cal, "bits": cal_bits}, "cadence_c_s": period_c,
+           "calibration": {**cal, "bits": cal_bits}, "cadence_c_s": period_c(),
            "planner_inputs": {"costs": costs, "mix": {"noticed_per_hour": mix.noticed_per_hour,
                                                       "unannounced_per_hour": mix.unannounced_per_hour,
                                                       "leads_s": [round(e.lead or 0, 3) for e in schedule

@@ -19,6 +19,7 @@ from ._load import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from ._load import DEFAULTS as DEFAULTS
 from ._load import ENV_OVERRIDES as ENV_OVERRIDES
 from ._load import SWITCH_OVERRIDES as SWITCH_OVERRIDES
+from ._load import TEXT_OVERRIDES as TEXT_OVERRIDES
 from ._load import Config as Config
 from ._load import ConfigError as ConfigError
 from ._load import check_pinned_binary as check_pinned_binary
@@ -37,6 +38,7 @@ from ._runc import RUNC_CACHE as RUNC_CACHE
 from ._runc import pinned_runc as pinned_runc
 
 __all__ = ["DEFAULTS", "DEFAULT_CONFIG_PATH", "ENV_OVERRIDES", "LAUNCHER_PIN_HEADER", "LAUNCHER_PIN_NAME",
-           "RUNC_CACHE", "SWITCH_OVERRIDES", "Config", "ConfigError", "check_pinned_binary", "launcher_pin_path",
+           "RUNC_CACHE", "SWITCH_OVERRIDES", "TEXT_OVERRIDES", "Config", "ConfigError", "check_pinned_binary",
+           "launcher_pin_path",
            "load", "load_with", "pin_stamp", "pinned_runc", "read_launcher_pin", "render_launcher_pin",
            "resolve_cuda_checkpoint", "sync_launcher_pin", "write_pin_file"]

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 __all__ = ["Config", "ConfigError", "DEFAULTS", "DEFAULT_CONFIG_PATH", "ENV_OVERRIDES", "SWITCH_OVERRIDES",
+           "TEXT_OVERRIDES",
            "check_pinned_binary", "load", "load_with", "open_config", "resolve_cuda_checkpoint"]
 
 DEFAULT_CONFIG_PATH = _keys.DEFAULT_CONFIG_PATH
@@ -32,6 +33,9 @@ ENV_OVERRIDES = {key.name: key.env for key in _keys.KEYS if key.kind == "path" a
 # On/off settings and their environment overrides, read by load() alone (checkpoint and restore):
 # the pass-through path needs none of them, so a bad value there must not fail every runc call.
 SWITCH_OVERRIDES = {key.name: key.env for key in _keys.KEYS if key.kind == "switch" and key.env}
+# The agent's strings and their environment overrides, read by load() alone, checked there as
+# strings only: what they mean is checked by the command that uses them.
+TEXT_OVERRIDES = {key.name: key.env for key in _keys.KEYS if key.kind == "text" and key.env}
 _SWITCH_WORDS = _keys.SWITCH_WORDS
 _PATH_KEYS = tuple(key.name for key in _keys.KEYS if key.kind == "path")
 _INT_KEYS = tuple((key.name, key.high) for key in _keys.KEYS if key.kind == "int")
@@ -59,10 +63,14 @@ class Config:
     cuda_checkpoint: str
     state_dir: str
     criu_timeout_s: int
+    run_timeout_s: int
     take_wait_s: int
     cuda_broker: bool
     hash_while_dumping: bool
     restore_prefetch: bool
+    cri_socket: str
+    registry: str
+    registry_repository: str
 
     def __init__(self, values: dict[str, object], source: str | None, source_stat: os.stat_result | None = None) -> None:
         self.source = source
@@ -172,7 +180,8 @@ def _trusted_state_dir(path: str) -> str:
 
 
 def _check_switches(values: dict[str, object], env: Mapping[str, str]) -> None:
-    """The on/off settings, from the file (TOML booleans) or the environment (a word each way)."""
+    """The on/off settings, from the file (TOML booleans) or the environment (a word each way), and
+    the agent's strings, from the file or the environment."""
     for key, var in SWITCH_OVERRIDES.items():
         if env.get(var):
             word = env[var].strip().lower()
@@ -181,6 +190,11 @@ def _check_switches(values: dict[str, object], env: Mapping[str, str]) -> None:
             values[key] = _SWITCH_WORDS[word]
         if not isinstance(values[key], bool):
             raise ConfigError(f"`{key}` must be true or false, got {values[key]!r}")
+    for key, var in TEXT_OVERRIDES.items():
+        if env.get(var):
+            values[key] = env[var]
+        if not isinstance(values[key], str) or "\0" in values[key] or len(values[key]) > 4096:
+            raise ConfigError(f"`{key}` must be a string (at most 4096 characters), got {values[key]!r:.80}")
 
 
 def load_with(env: Mapping[str, str], check: tuple[str, ...], switches: bool = False) -> Config:

@@ -29,8 +29,10 @@ SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "f
 
 class Key:
     """One configuration key. `kind` is "path" (an absolute path; its environment variable is read
-    on every call), "int" (from 1 to `high`) or "switch" (true or false; its environment variable,
-    a word of SWITCH_WORDS, is read only by a full load: checkpoint and restore)."""
+    on every call), "int" (from 1 to `high`), "switch" (true or false; its environment variable,
+    a word of SWITCH_WORDS, is read only by a full load: checkpoint and restore) or "text" (a
+    string the command that uses it checks: the agent's; its environment variable is read by a
+    full load)."""
 
     __slots__ = ("name", "kind", "default", "env", "comment", "description", "high")
 
@@ -46,7 +48,8 @@ class Key:
 
     @property
     def type_name(self) -> str:
-        return {"path": "absolute path", "int": f"integer, 1 to {self.high}", "switch": "boolean"}[self.kind]
+        return {"path": "absolute path", "int": f"integer, 1 to {self.high}", "switch": "boolean",
+                "text": "string"}[self.kind]
 
     def __repr__(self) -> str:
         return f"Key({self.name!r}, {self.kind!r}, {self.default!r})"
@@ -75,7 +78,14 @@ KEYS: tuple[Key, ...] = (
         """snapguard's root-only working directory: run directories, the agent's state, the runc
         path cache. Created 0700 where missing; the part that exists must be root's alone."""),
     Key("criu_timeout_s", "int", 60, None, "CRIU's own timeout, seconds",
-        """CRIU's own timeout, in seconds; the whole runc or CRIU run gets ten times it.""", high=3600),
+        """CRIU's own timeout, in seconds; the whole runc or CRIU run gets ten times it, at most
+        `run_timeout_s`.""", high=3600),
+    Key("run_timeout_s", "int", 36000, None, "the longest a whole runc or CRIU run may take, seconds",
+        """The most snapguard's deadline on a whole runc or CRIU run may be, in seconds: the run
+        gets ten times `criu_timeout_s`, or this where it is less. When the deadline passes, the
+        run's process group is killed: CRIU_TIMEOUT or RUNC_TIMEOUT, the workload brought back. A
+        dump whose workload died under it is ended a tenth of the deadline (at most 10 s) after.""",
+        high=36000),
     Key("take_wait_s", "int", 10, None, "how long a snapshot waits for the workload's take point, seconds",
         """How long a snapshot waits for the workload's take point (its step boundary), in seconds;
         then it goes on without it, with a TAKE_POINT_TIMEOUT warning. `snapguard checkpoint
@@ -93,6 +103,22 @@ KEYS: tuple[Key, ...] = (
         """A restore asks the kernel to read CRIU, its libraries and plugins, cuda-checkpoint and
         the image's small files before the digest check's large reads begin, so that CRIU's start
         does not queue behind them on a cold page cache."""),
+    Key("cri_socket", "text", "", "SNAPGUARD_CRI_SOCKET",
+        "the agent's CRI path: containerd's CRI socket (empty: off); needs `registry`",
+        """The agent's CRI path (the kubelet's): containerd's CRI socket, an absolute path such as
+        `/run/containerd/containerd.sock`, on which `snapguard agent` lists the node's opted-in
+        pods and takes each one's stopping snapshot through CRI CheckpointContainer. Empty: off.
+        Needs `registry` and the agent's `--store`. `snapguard agent --cri-socket` overrides it."""),
+    Key("registry", "text", "", "SNAPGUARD_REGISTRY",
+        "the registry the CRI path pushes checkpoint images to, http(s)://HOST[:PORT]",
+        """The OCI registry the agent's CRI path pushes each checkpoint image to,
+        `http://` or `https://HOST[:PORT]` with no path. `snapguard agent --registry` overrides
+        it."""),
+    Key("registry_repository", "text", "snapguard/ckpt", "SNAPGUARD_REGISTRY_REPOSITORY",
+        "the checkpoint images' repository prefix: PREFIX/JOB",
+        """The repository prefix of the CRI path's checkpoint images, which go to PREFIX/JOB
+        (lower-case letters, digits, `.`, `_`, `-`, `/`). `snapguard agent --registry-repository`
+        overrides it."""),
 )
 
 _BY_NAME = {key.name: key for key in KEYS}
@@ -137,8 +163,9 @@ def render_markdown() -> str:
         env = f"`{key.env}`" if key.env else "-"
         out.append(f"| `{key.name}` | {key.type_name} | `{_toml(key.default)}` | {env} |")
     out += ["", f"The file is `{DEFAULT_CONFIG_PATH}`, or the one `{CONFIG_ENV}` names. Environment "
-            "variables override the file; a switch's variable takes one of "
-            f"{', '.join(w for w in SWITCH_WORDS)} and is read only by checkpoint and restore.", ""]
+            "variables override the file, and a command's flags override both; a switch's variable takes "
+            f"one of {', '.join(w for w in SWITCH_WORDS)} and, like a string's, is read only by a full load "
+            "(checkpoint, restore, the agent).", ""]
     for key in KEYS:
         out += [f"## `{key.name}`", "", key.description, ""]
     return "\n".join(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..config import DEFAULTS, SWITCH_OVERRIDES
+from ..config import DEFAULTS, SWITCH_OVERRIDES, TEXT_OVERRIDES
 from ..config.keys import KEYS
 from ..trust import UntrustedPathError, check_trusted_libdir, resolve_trusted
 from .base import absent_dirs, fail, parse_toml, read_trusted, sha
@@ -20,8 +20,9 @@ from .toml import toml_value
 
 __all__ = ["CANDIDATES", "UNWRITTEN_DEFAULTS", "plan_config", "render_config", "trusted_path"]
 
-# every on/off switch: at its default it is left out of the config written (see plan_config)
-UNWRITTEN_DEFAULTS = tuple(SWITCH_OVERRIDES)
+# every on/off switch and the agent's strings: at its default it is left out of the config written
+# (see plan_config)
+UNWRITTEN_DEFAULTS = tuple(SWITCH_OVERRIDES) + tuple(TEXT_OVERRIDES)
 # snapguard's own entries: never taken for the real runc
 _OURS = ("snapguard-runc", LAUNCHER_NAME)
 

@@ -16,22 +16,33 @@ __all__ = ["NETWORK_LOCKS", "Request", "Timeouts"]
 
 NETWORK_LOCKS = ("auto", "iptables", "nftables", "skip")
 # snapguard's own deadline on a runc or CRIU run, as a multiple of CRIU's timeout: CRIU's timeout
-# bounds each of its waits (freezing, seizing), the whole run may take several
+# bounds each of its waits (freezing, seizing), the whole run may take several (at most the
+# config's run_timeout_s)
 RUN_DEADLINE_FACTOR = 10
+# a dump whose workload died under it gets this much of its deadline, at most DIED_GRACE_S, to end
+# by itself (a stopping dump's CRIU may be finishing its last steps) before it is killed
+DIED_GRACE_SHARE, DIED_GRACE_S = 0.1, 10.0
 
 
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds. `criu_s`: CRIU's own timeout and the CUDA lock's; `run_s`: the deadline snapguard
-    enforces on the whole runc or CRIU child, killing its process group when it passes."""
+    enforces on the whole runc or CRIU child, killing its process group when it passes;
+    `died_grace_s`: how long a dump goes on once its workload died under it (DIED_GRACE_SHARE of
+    `run_s`, at most DIED_GRACE_S)."""
 
     criu_s: int = 60
     run_s: float = 600.0
     take_wait_s: float = 10.0
 
+    @property
+    def died_grace_s(self) -> float:
+        return min(DIED_GRACE_S, DIED_GRACE_SHARE * self.run_s)
+
     @classmethod
     def from_config(cls, config: Config, take_wait_s: float | None = None) -> Timeouts:
-        return cls(criu_s=int(config.criu_timeout_s), run_s=float(config.criu_timeout_s * RUN_DEADLINE_FACTOR),
+        run_s = min(config.criu_timeout_s * RUN_DEADLINE_FACTOR, config.run_timeout_s)
+        return cls(criu_s=int(config.criu_timeout_s), run_s=float(run_s),
                    take_wait_s=float(config.take_wait_s if take_wait_s is None else take_wait_s))
 
 

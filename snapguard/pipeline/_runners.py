@@ -73,7 +73,8 @@ class CriuRunner:
         pid = self.target_pid()
         return children.run(options.dump_argv(self.criu, pid), env=env, timeout_s=req.timeouts.run_s,
                             what="criu dump", reason=Reason.CRIU_TIMEOUT, start_reason=Reason.CRIU_MISSING,
-                            pointless=_died(pid), pointless_reason=Reason.CRIU_DUMP_FAILED)
+                            pointless=_died(pid), pointless_reason=Reason.CRIU_DUMP_FAILED,
+                            grace_s=req.timeouts.died_grace_s)
 
     def after_failed_dump(self) -> None:
         pass  # CRIU seized the tree with ptrace: its end, even a kill, lets the tree go on
@@ -162,7 +163,8 @@ class RuncRunner:
         # containerd hands runc the container's stdio and sockets by fd inheritance
         return children.run([self.runc, *self.args], env=env, timeout_s=req.timeouts.run_s, what=f"runc {verb}",
                             reason=Reason.RUNC_TIMEOUT, start_reason=Reason.RUNC_UNUSABLE, inherit_fds=True,
-                            pointless=pointless, pointless_reason=Reason.CRIU_DUMP_FAILED)
+                            pointless=pointless, pointless_reason=Reason.CRIU_DUMP_FAILED,
+                            grace_s=req.timeouts.died_grace_s)
 
     def dump(self, req: Request, options: CriuOptions, env: dict[str, str]) -> int:
         pointless = _died(self.target_pid())

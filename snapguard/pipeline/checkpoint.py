@@ -21,7 +21,7 @@ from ..takepoint import spill as _spill
 from ..reasons import Finding, Reason, SnapguardError
 from . import scopes
 from ._request import Request
-from ._runners import Runner, log_path
+from ._runners import Runner, RuncRunner, log_path
 from ._steps import Steps, criu_errors
 
 __all__ = ["FRESH_HOST_CHECKS", "checkpoint"]
@@ -67,6 +67,9 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         steps.timings["host_checks_age_s"] = host_checks.age_s()
         ahead = host_checks.passed(leave=FRESH_HOST_CHECKS)
     with steps.step("preflight", Reason.PREFLIGHT_FAILED):
+        report = preflight.Report(runner.describe())
+        # what a killed executor left, first: a freezer it left as it was not, before this run reads it
+        report.run("children", lambda: scopes.sweep_children(config, steps))
         pid = runner.target_pid()
         tree = procfs.process_tree(pid)
         inv = procfs.inventory(tree)
@@ -81,8 +84,6 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         if stuck:
             raise SnapguardError(Reason.WORKLOAD_FROZEN, f"the take point cannot reach a process that does not run: "
                                  f"{'; '.join(stuck.values())}; nothing was frozen", evidence={"pids": sorted(stuck)})
-        report = preflight.Report(runner.describe())
-        report.run("children", lambda: scopes.sweep_children(config, steps))  # what a killed executor left
         own_netns = procfs.own_netns(pid)
         conns = procfs.tree_tcp(inv) if req.tcp_established else []
         network_lock, needs_iptables = _network_lock(req, own_netns, conns)
@@ -93,6 +94,9 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
         # reaches and CRIU does not dump: the host's own, or a container's bind of a host directory
         spill = _spill.spill_dirs(found, containers=not runner.uses_host_pids)
         preflight.workload_checks(report, inv, req.tcp_established, trainers=found)
+        if isinstance(runner, RuncRunner):  # a mount CRIU cannot dump, refused before the dump
+            report.run("container-mounts", lambda: preflight.check_container_mounts(
+                pid, runner.runc, runner.root, runner.container_id))
         report.raise_blockers()
         reused = {id(r[2]) for r in ahead.results} if ahead is not None else set()
         return _Target(pid, tree, inv, report, own_netns, conns, network_lock, found, spill,

@@ -97,13 +97,15 @@ def test_established_tcp_without_flag_is_refused(config, tmp_path: Path, monkeyp
 
 
 def test_single_trainer_take_point_holds_and_releases(config, tmp_path: Path) -> None:
-    """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go."""
-    ref = DdpJob(tmp_path / "ref", 1, STEPS).run_uninterrupted()
+    """One trainer: the hook holds it at the end of its next step while CRIU dumps, then lets go.
+    Its reference runs beside it (one process each, one a core): the two share nothing."""
+    ref = DdpJob(tmp_path / "ref", 1, STEPS)
     job = DdpJob(tmp_path / "job", 1, STEPS)
-    with running(job, take_dir(config)) as launcher:
+    with running(ref, None) as ref_launcher, running(job, take_dir(config)) as launcher:
         job.wait_step(5)
         result = checkpoint_pid(launcher.pid, str(tmp_path / "img"), config, leave_running=True,
                                 tcp_established=True)
         (figures,) = result["take_point"].values()
         assert figures["ok"] and figures["step"] >= 6
+        assert ref_launcher.wait(timeout=300) == 0, f"reference job in {ref.out} failed"
         assert job.mismatches(ref) == []

@@ -29,6 +29,7 @@ from snapguard.takepoint import RESOLVE_ENV, site_dir
 from snapguard.takepoint import client as take
 from snapguard.preflight import workload
 from snapguard.reasons import Reason, Severity, SnapguardError
+from snapguard_lab import matrix
 from snapguard_lab.matrix import ROWS, run_row, table
 from tests.unit.test_workload import _fake_proc
 
@@ -45,6 +46,16 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-
     monkeypatch.setenv("SNAPGUARD_CONFIG", str(tmp_path / "config.toml"))
     monkeypatch.setenv("SNAPGUARD_STATE_DIR", str(tmp_path / "state"))
     return load()
+
+
+@pytest.fixture(autouse=True)
+def warm_page_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop arms restore with the page cache as it is: run_row's drop of it before each restore
+    (`sync`, then drop_caches) is for the GPU matrix's figure of a restore from the disk; here it
+    proves nothing more and costs the stop arms seconds of reading torch's libraries (and
+    transformers') back from the disk, many more on a loaded machine, and slows whatever else runs
+    on it."""
+    monkeypatch.setattr(matrix, "drop_page_cache", lambda: False)
 
 
 def _check_arms(r: dict[str, Any], modes: tuple[str, ...] = ("leave-running", "stop")) -> None:
@@ -106,7 +117,7 @@ def test_framework_trainers_stop_and_restore(name: str, config, tmp_path: Path) 
 def test_snapshot_asked_mid_accumulation_holds_at_the_optimizer_step(config, tmp_path: Path) -> None:
     """The snapshot is asked during the first micro-batch of a step; the take point holds at the
     end of that step's optimizer step, never between micro-batches (the run stays bit-identical)."""
-    r = run_row(ROWS["accumulation"], tmp_path / "m", config, device="cpu", steps=30, at=10,
+    r = run_row(ROWS["accumulation"], tmp_path / "m", config, device="cpu", steps=22, at=10,
                 modes=("leave-running",))
     _check_arms(r, ("leave-running",))
     arm = r["leave-running"]
@@ -144,14 +155,16 @@ if child == 0:
         ioctl = "ok"
     except OSError as e:
         ioctl = errno.errorcode[e.errno]
-    print(json.dumps({"child": os.getpid(), "fd_targets": {n: os.readlink(f"/proc/self/fd/{fds[n]}") for n in names},
+    os.write(1, json.dumps({"child": os.getpid(), "fd_targets": {n: os.readlink(f"/proc/self/fd/{fds[n]}") for n in names},
                       "read_dropped": os.read(fds[names[0]], 4).decode(), "ioctl_dropped": ioctl,
                       "former_maps": {n: [v[2:] for v in vmas if v[0] <= a < v[1]] for n, a in addrs.items()},
                       "kept_map": kept[:4].decode(),
-                      "other_fd": os.readlink(f"/proc/self/fd/{other.fileno()}")}), flush=True)
+                      "other_fd": os.readlink(f"/proc/self/fd/{other.fileno()}")}).encode() + b"\n")
     sys.stdin.read()
     os._exit(0)
-print(json.dumps({"parent": os.getpid()}), flush=True)
+# each line one write (print writes the line and its end apart where stdout is unbuffered, and
+# the child's line could come between them)
+os.write(1, json.dumps({"parent": os.getpid()}).encode() + b"\n")
 sys.stdin.read()
 """
 

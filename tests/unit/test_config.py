@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from snapguard.config import DEFAULTS, ENV_OVERRIDES, SWITCH_OVERRIDES, ConfigError, check_pinned_binary, keys, load
+from snapguard.config import (DEFAULTS, ENV_OVERRIDES, SWITCH_OVERRIDES, TEXT_OVERRIDES, ConfigError,
+                              check_pinned_binary, keys, load)
 from snapguard.config import pinned_runc
 
 
@@ -142,7 +143,8 @@ def test_the_debian_template_is_the_key_tables_rendering() -> None:
 
 def test_the_loader_reads_the_key_table(tmp_path: Path) -> None:
     assert DEFAULTS == {key.name: key.default for key in keys.KEYS}
-    assert {**ENV_OVERRIDES, **SWITCH_OVERRIDES} == {key.name: key.env for key in keys.KEYS if key.env}
+    assert {**ENV_OVERRIDES, **SWITCH_OVERRIDES, **TEXT_OVERRIDES} == {
+        key.name: key.env for key in keys.KEYS if key.env}
     assert all(env.startswith("SNAPGUARD_") for env in (key.env for key in keys.KEYS) if env)
     f = tmp_path / "c.toml"
     f.write_text("")
