@@ -31,8 +31,6 @@ an etcd rendezvous backend's connections.
 from __future__ import annotations
 
 import gc
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import socket
@@ -44,6 +42,7 @@ from typing import Any
 
 from .. import protocol
 from . import agent_link, env
+from .afterimport import AfterImport
 
 __all__ = ["AGENT", "LAUNCHER_MODULE", "Agent", "activate", "install"]
 
@@ -344,31 +343,15 @@ def activate(launcher: Any) -> None:
         become_agent()
 
 
-class ActivateOnImport(importlib.abc.MetaPathFinder):
+class ActivateOnImport(AfterImport):
     """Calls `activate` once torch.distributed.launcher.api has executed."""
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != LAUNCHER_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
+    def __init__(self) -> None:
+        super().__init__(LAUNCHER_MODULE, activate, _activate_failed)
 
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
 
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                try:
-                    activate(module)
-                except Exception as e:  # torch's internals moved: the agent stays as torch makes it
-                    AGENT.error = f"the take point could not wrap torchrun's agent: {type(e).__name__}: {e}"[:300]
-
-        spec.loader = _Loader()
-        return spec
+def _activate_failed(e: Exception) -> None:  # torch's internals moved: the agent stays as torch makes it
+    AGENT.error = f"the take point could not wrap torchrun's agent: {type(e).__name__}: {e}"[:300]
 
 
 def install() -> None:

@@ -30,8 +30,6 @@ torch is imported only when the trainer imports torch.distributed.
 from __future__ import annotations
 
 import gc
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
@@ -40,6 +38,7 @@ from typing import Any
 
 from .. import protocol
 from . import agent, agent_link
+from .afterimport import AfterImport
 from .reach import address as _address
 from .reach import agent_store as _agent_store
 from .reach import local_address
@@ -332,33 +331,16 @@ def _classes(dist: Any) -> tuple[type, type]:
     return SwapStore, Swappable
 
 
-class InstallOnImport(importlib.abc.MetaPathFinder):
+class InstallOnImport(AfterImport):
     """Calls `install_on` as soon as torch.distributed.distributed_c10d has executed (before
     torch.distributed's `from .distributed_c10d import *` copies its names)."""
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != DIST_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
+    def __init__(self) -> None:
+        super().__init__(DIST_MODULE, install_on, _wrap_failed)
 
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
 
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                try:
-                    install_on(module)
-                except Exception as e:  # torch's internals moved: the groups stay as torch makes them
-                    GROUPS.unreached.append(f"the take point could not wrap torch.distributed: "
-                                            f"{type(e).__name__}: {e}"[:300])
-
-        spec.loader = _Loader()
-        return spec
+def _wrap_failed(e: Exception) -> None:  # torch's internals moved: the groups stay as torch makes them
+    GROUPS.unreached.append(f"the take point could not wrap torch.distributed: {type(e).__name__}: {e}"[:300])
 
 
 def _capturing() -> bool:
