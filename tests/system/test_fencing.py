@@ -42,8 +42,10 @@ def ended(pid: int | None) -> None:
         subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
-def snapshot(tmp: Path, job: str, url: str, env: dict[str, str], python: str) -> tuple[Path, str, int]:
-    """A counter run by `python` on node a, checkpointed (stopped) and pushed: (image, its name, last value)."""
+def snapshot(tmp: Path, job: str, url: str, env: dict[str, str], python: str) -> tuple[Path, str, int, int]:
+    """A counter run by `python` on node a, checkpointed (stopped) and pushed: (image, its name, last
+    value, lines in its log). The log stays where it is: a dump that caught the counter between its
+    open and its close restores that open file by its path."""
     log = tmp / f"{job}.log"
     proc = subprocess.Popen([python, "-c", COUNTER, str(log)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -55,11 +57,10 @@ def snapshot(tmp: Path, job: str, url: str, env: dict[str, str], python: str) ->
         proc.wait(timeout=10)
     finally:
         proc.kill()
-    last = values(log)[-1][0]
-    log.rename(tmp / f"{job}-before.log")
+    lines = values(log)
     out = sg("push", "--images", str(img), "--store", url, "--job", job, "--json", env=env)
     assert out.returncode == 0, out.stderr
-    return img, json.loads(out.stdout)["image"], last
+    return img, json.loads(out.stdout)["image"], lines[-1][0], len(lines)
 
 
 def epochs(url: str, job: str) -> list[str]:
@@ -72,7 +73,7 @@ def test_later_restore_is_refused_and_the_old_nodes_push_is_fenced(tmp_path: Pat
     a newer epoch. Node a's late push is FENCED and writes nothing."""
     url = f"file://{tmp_path}/store"
     a, b, c = (node(tmp_path / n) for n in "abc")
-    img, name, last = snapshot(tmp_path, "train", url, a, sys.executable)
+    img, name, last, seen = snapshot(tmp_path, "train", url, a, sys.executable)
     restored = None
     try:
         out = sg("restore", "--store", url, "--job", "train", "--images", str(tmp_path / "b" / "img"), "--json", env=b)
@@ -80,8 +81,8 @@ def test_later_restore_is_refused_and_the_old_nodes_push_is_fenced(tmp_path: Pat
         restored = json.loads(out.stdout)["pid"]
         assert json.loads(out.stdout)["fence_epoch"] == 1
         log = tmp_path / "train.log"
-        wait_lines(log, 3)
-        assert values(log)[0] == (last + 1, expected_hash(last + 1))
+        wait_lines(log, seen + 3)
+        assert values(log)[seen] == (last + 1, expected_hash(last + 1))
         later = sg("restore", "--store", url, "--job", "train", "--image", name, env=c)
         assert (later.returncode, reason(later)) == (1, "ALREADY_RESTORED"), later.stderr
         assert epochs(url, "train") == ["000000000001"]
@@ -113,7 +114,7 @@ def test_failed_criu_rolls_the_epoch_back_and_racers_start_one_copy(tmp_path: Pa
     a, b, c = (node(tmp_path / n) for n in "abc")
     python = tmp_path / "py"
     shutil.copy2(os.path.realpath(sys.executable), python)
-    img, name, last = snapshot(tmp_path, "job2", url, a, str(python))
+    img, name, last, seen = snapshot(tmp_path, "job2", url, a, str(python))
     python.rename(tmp_path / "py.away")
     out = sg("restore", "--store", url, "--job", "job2", "--images", str(tmp_path / "c" / "img"), "--json", env=c)
     assert (out.returncode, reason(out)) == (1, "CRIU_RESTORE_FAILED"), out.stderr
@@ -134,8 +135,8 @@ def test_failed_criu_rolls_the_epoch_back_and_racers_start_one_copy(tmp_path: Pa
                                                   "snapguard PID_CONFLICT"), outs
         assert epochs(url, "job2") == ["000000000001", "000000000001-aborted", "000000000002"]
         log = tmp_path / "job2.log"
-        wait_lines(log, 3)
-        assert values(log)[0] == (last + 1, expected_hash(last + 1))  # one copy, where node a stopped it
+        wait_lines(log, seen + 3)
+        assert values(log)[seen] == (last + 1, expected_hash(last + 1))  # one copy, where node a stopped it
         late = sg("push", "--images", str(img), "--store", url, "--job", "job2", env=a)
         assert (late.returncode, reason(late)) == (1, "FENCED"), late.stderr
     finally:

@@ -5,6 +5,7 @@ the executor's preflight says of the agent's connections."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -63,6 +64,7 @@ def test_the_hold_drops_every_store_and_the_rebuild_moves_the_workers_one(fresh:
     import torch.distributed as dist
 
     state, AgentStore = fresh
+    gc.collect()  # the hold collects garbage: stores earlier tests left unreferenced go first, not inside the count
     before = _tcp_sockets()
     port, other = _free_port(), _free_port()
     hosted = AgentStore("127.0.0.1", port, 1, True, timedelta(seconds=20), multi_tenant=True)
