@@ -12,18 +12,17 @@ by the notice's deadline, not the store's own deadlines (tens of seconds per exc
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from snapguard_lab.s3proxy import S3Proxy
 from snapguard_lab.targets import RuncTarget, snapguard_path
 
 pytest_plugins = ("snapguard_lab.s3",)  # rgw: one real radosgw for the session
@@ -32,68 +31,21 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(180)]
 LEAD_S = 6
 
 
-class StallingProxy:
+class StallingProxy(S3Proxy):
     """In front of the real radosgw: forwards every request unchanged, except the PUT of a page
     file, whose body it reads and never answers (until the client gives up and closes)."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.held: list[str] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def close(self) -> None:
-        self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while True:
-                line = f.readline()
-                if not line:
-                    return
-                method, target, _ = line.decode("latin-1").split(" ", 2)
-                headers: list[tuple[str, str]] = []
-                while (h := f.readline()) not in (b"\r\n", b""):
-                    k, v = h.decode("latin-1").split(":", 1)
-                    headers.append((k.strip(), v.strip()))
-                hd = {k.lower(): v for k, v in headers}
-                if hd.get("expect", "").lower() == "100-continue":
-                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                body = f.read(int(hd.get("content-length", "0")))
-                if method == "PUT" and "/pages-" in target:
-                    self.held.append(target)
-                    while conn.recv(1 << 16):  # no answer, ever: until the client shuts the socket
-                        pass
-                    return
-                up = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
-                up.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
-                for k, v in headers:
-                    if k.lower() != "expect":
-                        up.putheader(k, v)
-                up.endheaders(body)
-                r = up.getresponse()
-                data = r.read()
-                out = f"HTTP/1.1 {r.status} {r.reason}\r\n"
-                for k, v in r.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        out += f"{k}: {v}\r\n"
-                conn.sendall(out.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() +
-                             (b"" if method == "HEAD" else data))
-                up.close()
-        except (OSError, ValueError):
-            return
-        finally:
-            conn.close()
+    def intercept(self, method: str, target: str, body: bytes, conn: socket.socket) -> bool:
+        if method == "PUT" and "/pages-" in target:
+            self.held.append(target)
+            while conn.recv(1 << 16):  # no answer, ever: until the client shuts the socket
+                pass
+            return True
+        return False
 
 
 def test_a_stalled_upload_ends_typed_by_the_notices_deadline(rgw, tmp_path: Path) -> None:

@@ -7,10 +7,8 @@ front of the real radosgw) never gets an image marked whole."""
 from __future__ import annotations
 
 import hashlib
-import http.client
 import os
 import socket
-import threading
 import uuid
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from snapguard.names import MARKER_NAME
 from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, SnapguardError
 from snapguard.store import STORE_RECORD, open_store
+from snapguard_lab.s3proxy import S3Proxy
 
 pytest_plugins = ("snapguard_lab.s3",)  # rgw: one real radosgw for the session
 
@@ -106,66 +105,22 @@ def test_bad_file_checkpoint_records_never_lose_the_older_good_one(store_url: st
     assert store.newest_file_checkpoint("job1") == "s3://ckpt/job1/step-1000"
 
 
-class ForgetfulProxy:
+class ForgetfulProxy(S3Proxy):
     """In front of the real radosgw: forwards every request as it came (its signature intact),
     except a PUT of an image's page file, which it answers 200 with the body's MD5 as ETag and
     drops: a store that says yes and keeps nothing."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.dropped: list[str] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while True:
-                line = f.readline()
-                if not line:
-                    return
-                method, target, _ = line.decode("latin-1").split(" ", 2)
-                headers: list[tuple[str, str]] = []
-                while (h := f.readline()) not in (b"\r\n", b""):
-                    k, v = h.decode("latin-1").split(":", 1)
-                    headers.append((k.strip(), v.strip()))
-                hd = {k.lower(): v for k, v in headers}
-                if hd.get("expect", "").lower() == "100-continue":
-                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                body = f.read(int(hd.get("content-length", "0")))
-                if method == "PUT" and "/pages-" in target and "uploadId" not in target:
-                    self.dropped.append(target)
-                    etag = hashlib.md5(body).hexdigest()
-                    conn.sendall(f'HTTP/1.1 200 OK\r\nETag: "{etag}"\r\nContent-Length: 0\r\n\r\n'.encode())
-                    continue
-                up = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
-                up.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
-                for k, v in headers:
-                    if k.lower() != "expect":
-                        up.putheader(k, v)
-                up.endheaders(body)
-                r = up.getresponse()
-                data = r.read()
-                out = f"HTTP/1.1 {r.status} {r.reason}\r\n"
-                for k, v in r.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        out += f"{k}: {v}\r\n"
-                conn.sendall(out.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() +
-                             (b"" if method == "HEAD" else data))
-                up.close()
-        except (OSError, ValueError):
-            return
-        finally:
-            conn.close()
+    def intercept(self, method: str, target: str, body: bytes, conn: socket.socket) -> bool:
+        if method == "PUT" and "/pages-" in target and "uploadId" not in target:
+            self.dropped.append(target)
+            etag = hashlib.md5(body).hexdigest()
+            conn.sendall(f'HTTP/1.1 200 OK\r\nETag: "{etag}"\r\nContent-Length: 0\r\n\r\n'.encode())
+            return True
+        return False
 
 
 def test_a_store_that_says_yes_and_keeps_nothing_never_gets_a_marker(rgw, sealed: Path) -> None:
