@@ -14,23 +14,10 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 log() { printf 'build-wheel: %s\n' "$*" >&2; }
 usage() { sed -n '4p' "$0" | sed 's/^# *//' >&2; }
 
-arch=$(dpkg --print-architecture)
-out=""
-while [ $# -gt 0 ]; do
-  case $1 in
-    --arch) [ $# -ge 2 ] || { usage; exit 2; }; arch=$2; shift 2 ;;
-    --arch=*) arch=${1#--arch=}; shift ;;
-    -h | --help) usage; exit 0 ;;
-    -*) log "unknown option $1"; usage; exit 2 ;;
-    *) [ -z "$out" ] || { usage; exit 2; }; out=$1; shift ;;
-  esac
-done
+. "$repo/packaging/arch-args.sh"
+parse_arch_args "$@"
+out=$out_arg
 [ -n "$out" ] || { usage; exit 2; }
-case $arch in
-  amd64) gnu=x86_64-linux-gnu machine=x86_64 elf_machine="Advanced Micro Devices X86-64" ;;
-  arm64) gnu=aarch64-linux-gnu machine=aarch64 elf_machine=AArch64 ;;
-  *) log "--arch $arch: amd64 or arm64"; exit 2 ;;
-esac
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
