@@ -22,7 +22,8 @@ what it changes (AdmissionReview v1 POSTed to /mutate over HTTPS; GET /healthz a
   spec's own PYTHONPATH after it), SNAPGUARD_TAKE_DIR=--take-dir unless the spec sets it, and
   two hostPath volumes mounted at the same paths: --hook-dir read-only (the standard-library-only
   take point that --lay-out-hook writes on each node: no site-packages of the node's) and the
-  node's spill tmpfs /run/snapguard-spill. A PYTHONPATH set only in the image's config is
+  node's spill tmpfs --spill-dir (default /run/snapguard-spill; another is also set as
+  SNAPGUARD_TAKE_SPILL_DIR unless the spec sets it). A PYTHONPATH set only in the image's config is
   replaced: name it in the pod's spec to keep it.
   With --store, when the job's newest snapshot published as a checkpoint image (the agent's
   record in the store, put once the image is whole in the registry) is newer than its newest
@@ -43,6 +44,7 @@ when their files change (a Secret's rotation).
 
 
 def add_parser(sub: Any) -> None:
+    from ..takepoint import SPILL_TMPFS
     from ..takepoint.hookdir import HOOK_DIR
     from ..webhook.mutate import TAKE_DIR
 
@@ -66,6 +68,8 @@ def add_parser(sub: Any) -> None:
                     help=f"the node's take-point directory, mounted read-only at the same path (default {HOOK_DIR})")
     wh.add_argument("--take-dir", default=TAKE_DIR, metavar="DIR",
                     help=f"the take point's socket directory in the container (default {TAKE_DIR})")
+    wh.add_argument("--spill-dir", default=SPILL_TMPFS, type=_abs_dir, metavar="DIR",
+                    help=f"the node's spill tmpfs, mounted read-write at the same path (default {SPILL_TMPFS})")
     wh.add_argument("--no-take-point", action="store_true", help="do not inject the take point (restores only)")
     wh.add_argument("--store", metavar="URL", help="the image store the agent publishes snapshots to; without it "
                                                    "no pod is pointed at a checkpoint image")
@@ -84,6 +88,14 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r}")
     return int(text)
+
+
+def _abs_dir(text: str) -> str:
+    import posixpath
+
+    if not text.startswith("/") or "\0" in text or len(text) > 4096:
+        raise argparse.ArgumentTypeError(f"must be an absolute path, not {text!r}")
+    return posixpath.normpath(text)
 
 
 def _size(text: str) -> int:
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                              max_body_bytes=args.max_body_bytes, io_timeout_s=args.io_timeout,
                              lookup_timeout_s=args.lookup_timeout),
         webhook.WebhookConfig(runtime_class=args.runtime_class, hook_dir=args.hook_dir, take_dir=args.take_dir,
-                              inject=not args.no_take_point), source)
+                              spill_dir=args.spill_dir, inject=not args.no_take_point), source)
 
     def stop(signum: int, _frame: Any) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()

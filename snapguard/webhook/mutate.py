@@ -4,9 +4,11 @@ A pod is opted in by its RuntimeClass (`WebhookConfig.runtime_class`, `snapguard
 the annotation JOB_ANNOTATION naming its job. In every container of an opted-in pod:
   - the take point: PYTHONPATH gets the node's take-point directory (HOOK_DIR, a hostPath mounted
     read-only at the same path) put first, what the container's spec had after it; TAKE_DIR_ENV
-    is set unless the spec sets it; the node's spill tmpfs (takepoint.SPILL_TMPFS) is mounted
-    from the host at the same path. The directory holds the standard-library-only take point
-    (snapguard.takepoint.hookdir), no site-packages: the container's own packages stay its own.
+    is set unless the spec sets it; the node's spill tmpfs (`WebhookConfig.spill_dir`,
+    takepoint.SPILL_TMPFS unless given) is mounted from the host at the same path, and another
+    than the default is named to the take point by SPILL_DIR_ENV unless the spec sets it. The
+    directory holds the standard-library-only take point (snapguard.takepoint.hookdir), no
+    site-packages: the container's own packages stay its own.
     A PYTHONPATH the image sets in its own config (not in the pod's spec) is replaced by the
     spec's: such a pod names it in its spec to keep it.
   - the restore: when the job's snapshot is restorable (snapshots.SnapshotSource), the job's
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..takepoint import SPILL_TMPFS, TAKE_DIR_ENV
+from ..takepoint.protocol import SPILL_DIR_ENV
 from ..takepoint.hookdir import HOOK_DIR
 from .review import Answer
 
@@ -102,6 +105,9 @@ def _env(i: int, container: dict[str, Any], config: WebhookConfig, answer: Answe
                                  "value": value})
     if not any(e["name"] == TAKE_DIR_ENV for e in env or []):
         ours.append({"name": TAKE_DIR_ENV, "value": config.take_dir})
+    # the take point looks for SPILL_TMPFS by itself; another mount of the spill is named to it
+    if config.spill_dir != SPILL_TMPFS and not any(e["name"] == SPILL_DIR_ENV for e in env or []):
+        ours.append({"name": SPILL_DIR_ENV, "value": config.spill_dir})
     if env is None:
         if ours:
             answer.patch.append({"op": "add", "path": _pointer("spec", "containers", i, "env"), "value": ours})

@@ -242,6 +242,31 @@ def test_a_pod_without_env_or_mounts_gets_them_added(server, tls) -> None:
         assert {m["mountPath"] for m in out["spec"]["containers"][i]["volumeMounts"]} == {HOOK_DIR, SPILL_TMPFS}
 
 
+def test_a_spill_tmpfs_elsewhere_is_mounted_and_named_to_the_take_point(tls) -> None:
+    """A node whose spill tmpfs is not the default: mounted at its path, and SPILL_DIR_ENV says where
+    (the take point alone would look for SPILL_TMPFS); a spec that sets it keeps its own."""
+    from snapguard.webhook.mutate import take_point_patch
+    from snapguard.webhook.review import Answer
+
+    config = WebhookConfig(spill_dir="/mnt/spill")
+    pod = deployment_pod()
+    answer = Answer("u1")
+    take_point_patch(pod, config, answer)
+    out = patched(pod, answer.review()["response"])
+    assert_valid_pod(out)
+    assert env_of(out)[protocol.SPILL_DIR_ENV] == "/mnt/spill"
+    assert {m["mountPath"] for m in out["spec"]["containers"][0]["volumeMounts"]} >= {HOOK_DIR, "/mnt/spill"}
+    assert SPILL_TMPFS not in json.dumps(out["spec"]["volumes"])
+    pod["spec"]["containers"][0]["env"].append({"name": protocol.SPILL_DIR_ENV, "value": "/mnt/spill/mine"})
+    answer = Answer("u2")
+    take_point_patch(pod, config, answer)
+    assert env_of(patched(pod, answer.review()["response"]))[protocol.SPILL_DIR_ENV] == "/mnt/spill/mine"
+    # the default: nothing to name, the take point finds it
+    answer = Answer("u3")
+    take_point_patch(deployment_pod(), WebhookConfig(), answer)
+    assert protocol.SPILL_DIR_ENV not in env_of(patched(deployment_pod(), answer.review()["response"]))
+
+
 def test_a_pythonpath_from_valuefrom_is_left_alone_with_a_warning(server, tls) -> None:
     pod = deployment_pod()
     pod["spec"]["containers"][0]["env"][0] = {"name": "PYTHONPATH", "valueFrom": {
