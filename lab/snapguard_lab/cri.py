@@ -273,7 +273,7 @@ def _write_layout(out: str, name: str, manifest: bytes, blobs: list[bytes]) -> N
 
 class Registry:
     """Debian's docker-registry (distribution 2.8.2) on 127.0.0.1:<free port>, storage under workdir;
-    on `address` instead where given (a bridge address network namespaces reach: netns.HOST_ADDRESS)."""
+    on `address` instead where given (a bridge address network namespaces reach: netns.Nodes.host_address)."""
 
     def __init__(self, workdir: str, address: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)

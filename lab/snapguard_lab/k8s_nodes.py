@@ -5,7 +5,7 @@ a veth into a bridge of the test's namespace), both with the runtime handler `sn
 (snapguard-runc). No kubelet: snapguard_lab.cri.Cri makes its calls on each node's socket.
 
 The pods are host-network (no CNI): a pod's network is its node's namespace, as on a real node.
-The registry listens on the bridge's address (netns.HOST_ADDRESS); in each node a relay
+The registry listens on the bridge's address (`Nodes.host_address`); in each node a relay
 (snapguard_lab.relay) makes it `localhost:<port>` (`TwoNodes.host`), the name every image
 reference carries: containerd's CRI restore pulls the checkpoint's base image (config.dump's
 rootfsImageRef) with its default resolver, which speaks plain HTTP to localhost alone. Each node
@@ -15,8 +15,6 @@ built from the same layer. `in_node` runs a function with a node's network (the 
 
 from __future__ import annotations
 
-import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -48,8 +46,8 @@ class TwoNodes:
     def __init__(self, workdir: str, config_file: str) -> None:
         self.workdir = Path(workdir)
         self.config_file = config_file
-        self.net = Nodes(["a", "b"], subnet=_free_subnet())
-        self.registry = Registry(str(self.workdir / "registry"), self.net.host_address)
+        self.net = Nodes(["a", "b"])  # a free subnet, chosen as the nodes are made
+        self.registry: Registry | None = None  # on the nodes' bridge: made with them
         self.nodes: dict[str, Node] = {}
         self.counter_image = ""
         self.counter_digest = ""
@@ -61,6 +59,7 @@ class TwoNodes:
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.net.__enter__()
         manifest, blobs, pause_tar = lab_images(self.workdir / "images")
+        self.registry = Registry(str(self.workdir / "registry"), self.net.host_address)
         self.registry.start()
         self.counter_digest = self.registry.push(COUNTER_REPO, "1", manifest, blobs)
         self.host = f"localhost:{self.registry.port}"
@@ -121,20 +120,7 @@ class TwoNodes:
                 node.cri.close()
                 node.containerd.stop()
             self.nodes = {}
-            self.registry.stop()
+            if self.registry is not None:
+                self.registry.stop()
         finally:
             self.net.__exit__()
-
-
-def _free_subnet() -> str:
-    """A 169.254.X (X in 100..199) /24 no address of this namespace is in: the lab's netns.Nodes
-    takes 169.254.77, and runs of other tests at the same time take theirs."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        used = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(family=socket.AF_INET)}
-    taken = {".".join(str(u).split(".")[:3]) for u in used if u}
-    free = [f"169.254.{x}" for x in range(100, 200) if f"169.254.{x}" not in taken]
-    if not free:
-        raise RuntimeError("no free 169.254.X/24 for the nodes' bridge")
-    return secrets.choice(free)

@@ -3,9 +3,12 @@
     with Nodes(["node-a", "node-b"]) as nodes:
         subprocess.run(cmd, preexec_fn=nodes.enter("node-b"))   # runs with node-b's network
 
-Each set of nodes is one link, `subnet` (the first three octets of a /24; 169.254.77 unless
-given): two sets with different subnets are two sites whose nodes have other addresses, as a
-job restored on other machines sees.
+Each set of nodes is one link, `subnet` (the first three octets of a /24): unless given, one that
+no address of this namespace is on is taken as the set is made (`free_subnet`, under a lock, so
+sets made at once by several test processes never share one). Two sets are two sites whose nodes
+have other addresses, as a job restored on other machines sees. A subnet shared with a link that
+is still there (a killed test run's bridge) would send the host's answers out of that link, which
+is why none is fixed.
 
 Each node is a network namespace with its own loopback and one end of a veth pair whose other end
 is on a bridge in the creating namespace; the bridge holds the host's address on that link, which
@@ -19,22 +22,52 @@ network is per node (mount, pid and user namespaces are the host's, as on a real
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["HOST_ADDRESS", "Nodes"]
+__all__ = ["Nodes", "free_subnet"]
 
-SUBNET = "169.254.77"
-HOST_ADDRESS = f"{SUBNET}.1"
 PREFIX = 24
+_LOCK = "/run/snapguard-lab-netns.lock"  # held while a set picks its subnet and puts it on its bridge
+
+
+def _taken() -> set[str]:
+    """The /24s (first three octets) that an IPv4 address of this namespace is on."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        used = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(family=socket.AF_INET)}
+    return {".".join(str(u).split(".")[:3]) for u in used if u}
+
+
+def free_subnet(exclude: set[str] | frozenset[str] = frozenset()) -> str:
+    """A 169.254.X (X in 20..250, not 169: cloud metadata) that no address of this namespace is on."""
+    taken = _taken() | set(exclude)
+    free = [f"169.254.{x}" for x in range(20, 251) if x != 169 and f"169.254.{x}" not in taken]
+    if not free:
+        raise RuntimeError("no free 169.254.X/24 for the nodes' bridge")
+    return secrets.choice(free)
+
+
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass
 class Nodes:
     names: list[str]
-    subnet: str = SUBNET  # the link's /24, its first three octets; the host is .1, node i is .(10 + i)
+    subnet: str = ""  # the link's /24, its first three octets (free_subnet's unless given); the host is .1, node i .(10 + i)
     tag: str = field(default_factory=lambda: secrets.token_hex(3))
     addresses: dict[str, str] = field(default_factory=dict)
     bridge: str = ""
@@ -42,13 +75,24 @@ class Nodes:
 
     @property
     def host_address(self) -> str:
-        """The host's address on the link (the bridge's)."""
+        """The host's address on the link (the bridge's); known once the set is made."""
+        if not self.subnet:
+            raise RuntimeError("the nodes' subnet is chosen when they are made (with Nodes(...) as nodes)")
         return f"{self.subnet}.1"
 
     def ns(self, name: str) -> str:
         return f"sg-{self.tag}-{name}"
 
     def __enter__(self) -> Nodes:
+        with _subnet_lock():
+            if not self.subnet:
+                self.subnet = free_subnet()
+            elif self.subnet in _taken():
+                raise ValueError(f"subnet {self.subnet} is already on a link of this namespace: the host's answers "
+                                 f"would leave by either; leave subnet out to get a free one")
+            return self._make()
+
+    def _make(self) -> Nodes:
         from pyroute2 import IPRoute, NetNS, netns
 
         parts = self.subnet.split(".")

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PACKAGES", "RadosGW", "RadosGWError", "SHARED_SUBNET", "Shared", "shared_gateway"]
+__all__ = ["PACKAGES", "RadosGW", "RadosGWError", "Shared", "shared_gateway"]
 
 PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-common")
 _BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph", "ceph-authtool", "monmaptool")
@@ -237,9 +237,6 @@ rgw gc processor period = 10
 
 # --- one radosgw for a whole test session -----------------------------------------------------
 
-SHARED_SUBNET = "169.254.79"  # the shared gateway's own link: other tests' Nodes keep netns's default
-
-
 @dataclass
 class Shared:
     """The session's radosgw and the two network-namespace nodes that reach it over their link
@@ -258,7 +255,7 @@ def shared_gateway(directory: Path) -> Iterator[Shared]:
 
     from .netns import Nodes
 
-    with Nodes(["a", "b"], subnet=SHARED_SUBNET) as nodes:
+    with Nodes(["a", "b"]) as nodes:  # a link of its own, on a free subnet
         for attempt in range(2):
             port = random.randrange(17000, 18900)
             gw = RadosGW(directory / f"rgw{attempt}", port=port, mon_port=port + 23000,

@@ -38,7 +38,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def sites() -> Iterator[tuple[Nodes, Nodes]]:
     """Two pairs of nodes on two links: where the job starts, and where it is restored."""
-    with Nodes(["a", "b"], subnet="169.254.81") as first, Nodes(["c", "d"], subnet="169.254.82") as second:
+    with Nodes(["a", "b"]) as first, Nodes(["c", "d"]) as second:
         yield first, second
 
 

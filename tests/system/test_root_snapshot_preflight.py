@@ -45,7 +45,8 @@ def test_the_record_says_where_the_preflight_went_and_leaves_reused_checks_out(
     cold = pipeline.checkpoint(runner, pipeline.Request(str(tmp_path / "a"), leave_running=True), config)
     checks = cold["preflight_checks_s"]
     assert {"privileges", "criu", "nvidia-driver", "host-memory"} <= set(checks)  # host and workload checks
-    assert sum(checks.values()) <= cold["timings"]["preflight_s"]
+    # the host checks run at once: each took no longer than the whole preflight (their sum may)
+    assert max(checks.values()) <= cold["timings"]["preflight_s"]
 
     ahead = preflight.host_checks_ahead(config, gpu_required=False, network_lock=False)
     warm = pipeline.checkpoint(runner, pipeline.Request(str(tmp_path / "b"), leave_running=True), config,
