@@ -196,7 +196,8 @@ class Job:
             env["SNAPGUARD_TAKE_DIR"] = f"{load().state_dir}/take"
         port = _free_port()
         if self.a.launcher == "torchrun":
-            head = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.world),
+            nproc = getattr(self.a, "nproc_arg", None) or str(self.world)  # gpu|auto: torchrun counts
+            head = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", nproc,
                     "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port),
                     "--node-rank", "0", os.path.abspath(__file__)]
         else:  # one process per rank under a plain parent, env:// as torchrun's ranks see it, no agent
@@ -407,6 +408,8 @@ def drive(argv: list[str]) -> int:
     ap.add_argument("--backend", default="nccl")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nproc-per-node", type=int, default=1)
+    ap.add_argument("--nproc-arg", choices=("gpu", "auto"),
+                    help="give torchrun this as --nproc-per-node (it must count --nproc-per-node GPUs)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--at", type=int, default=20, help="the step the snapshot (and async_save) is taken near")
     ap.add_argument("--width", type=int, default=256)
@@ -418,7 +421,7 @@ def drive(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = Path(f"/tmp/nccl-drill-{int(time.time())}")
     import torch
-    report: dict = {"launcher": a.launcher, "backend": a.backend, "device": a.device, "world": a.nproc_per_node, "steps": a.steps,
+    report: dict = {"launcher": a.launcher, "backend": a.backend, "device": a.device, "world": a.nproc_per_node, "nproc_arg": a.nproc_arg, "steps": a.steps,
                     "width": a.width, "torch": torch.__version__, "env": NO_NVLS, "arms": {}}
     ref = Job(base / "reference", a, hook=False)
     ref.start()

@@ -189,3 +189,58 @@ def test_preflight_says_the_agents_stores_are_released() -> None:
         workload.run_checks(report, procfs.inventory([pid]), trainers={pid + 100000: worker})
         (f,) = [f for f in report.findings if f.reason is Reason.TCP_ESTABLISHED]
         assert f.severity is Severity.BLOCKER
+
+
+def test_torchruns_launcher_counts_gpu_and_auto_without_cuda_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In torchrun's launcher the take point answers torch.cuda's and torch.accelerator's questions
+    from a child Python: torch's own determine_local_world_size gives its own answers (a CPU count
+    for auto, its ValueError for gpu where no GPU is) and this process never asks CUDA."""
+    pytest.importorskip("torch")
+    import torch
+    import torch.distributed.run as run
+
+    from snapguard.takepoint.workload import localsize
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's answers are checked here")
+    expected_auto = run.determine_local_world_size("auto")
+
+    def no_cuda(*_: Any) -> Any:
+        raise AssertionError("CUDA asked in the launcher's own process")
+
+    for owner, name in ((torch.cuda, "is_available"), (torch.cuda, "device_count"), (torch.accelerator, "is_available"),
+                        (torch.accelerator, "device_count"), (torch.accelerator, "current_accelerator")):
+        monkeypatch.setattr(owner, name, no_cuda)  # put back after the test, whatever answer_apart set
+    assert localsize.launcher_process()  # torch.distributed.run is imported here
+    localsize.answer_apart(torch)
+    localsize.answer_apart(torch)  # twice is once
+    assert run.determine_local_world_size("3") == 3
+    assert run.determine_local_world_size("auto") == expected_auto
+    with pytest.raises(ValueError, match="Cuda is not available"):
+        run.determine_local_world_size("gpu")
+    assert torch.cuda.device_count() == 0 and torch.accelerator.current_accelerator() is None
+
+
+@pytest.mark.parametrize("launch", ["module", "script"])
+def test_torchrun_with_nproc_auto_starts_under_the_take_point(launch: str, tmp_path: Path) -> None:
+    """`python -m torch.distributed.run` and the `torchrun` script, each with --nproc-per-node auto
+    and the take point started in the launcher: the workers start, as many as torch counts."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    import torch
+
+    from snapguard.takepoint import site_dir
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os\nprint('worker', os.environ['LOCAL_WORLD_SIZE'], flush=True)\n")
+    head = [sys.executable, "-m", "torch.distributed.run"] if launch == "module" else \
+        [str(Path(sys.executable).parent / "torchrun")]
+    env = {**os.environ, "PYTHONPATH": f"{site_dir()}:{os.environ.get('PYTHONPATH', '')}",
+           protocol.TAKE_DIR_ENV: str(tmp_path), "USE_LIBUV": "0"}
+    out = subprocess.run([*head, "--standalone", "--nnodes", "1", "--nproc-per-node", "auto", str(worker)],
+                         env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count = torch._utils.cpu_count() if not torch.cuda.is_available() else torch.cuda.device_count()
+    assert out.stdout.count(f"worker {count}") == count, out.stdout

@@ -33,6 +33,9 @@ class AfterImport(importlib.abc.MetaPathFinder):
             def create_module(self, spec: Any) -> Any:
                 return loader.create_module(spec)
 
+            def __getattr__(self, name: str) -> Any:  # get_code, is_package...: what runpy's -m asks
+                return getattr(loader, name)
+
             def exec_module(self, module: Any) -> None:
                 loader.exec_module(module)
                 try:

@@ -21,7 +21,8 @@ imported and a `LaunchConfig` is made. Then:
            take point's hold limit (HOLD_S_ENV) of running time, as a worker's does.
   CUDA     `LaunchConfig.__post_init__` asks torch.cuda.is_available() to pick default NUMA
            options (none in PyTorch's own builds); that initialises the driver in the agent,
-           which then holds /dev/nvidia* with no CUDA context. The agent skips the probe.
+           which then holds /dev/nvidia* with no CUDA context. The agent skips the probe; in
+           torchrun's launcher, `--nproc-per-node gpu|auto` is counted in a child (`localsize`).
   trainer  the agent imports torch's optimizers but never steps: its status says it is no
            trainer, so the executor does not wait for it to reach a step.
 Not released (its status lists them, and its workers' status then lists them as unreached):
@@ -41,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import protocol
-from . import agent_link, env
+from . import agent_link, env, localsize
 from .afterimport import AfterImport
 
 __all__ = ["AGENT", "LAUNCHER_MODULE", "Agent", "activate", "install"]
@@ -329,6 +330,8 @@ def activate(launcher: Any) -> None:
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
 
+    if localsize.launcher_process():
+        localsize.answer_apart(sys.modules["torch"])
     if getattr(dist.TCPStore, "_snapguard", False):
         return
     AgentStore = _store_class(c10d)
