@@ -244,3 +244,30 @@ def test_what_the_take_point_cannot_own_is_named(monkeypatch: pytest.MonkeyPatch
     assert "tcp://" in _unreached("tcp://10.0.0.1:29500?rank=0", None, 0, 2)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert "torchrun's agent store" in _unreached(None, None, 0, 2)
+
+
+def test_no_backend_given_is_torchs_own_default_on_the_take_points_backend() -> None:
+    """init_process_group() with no backend: the device:backend pairs torch itself would make (its
+    BackendConfig of UNDEFINED; `cpu:gloo` on a machine without an accelerator), each on the take
+    point's own backend, so the group is released at the hold like a named one."""
+    pytest.importorskip("torch")
+    script = r'''
+import json, sys
+sys.meta_path.insert(0, __import__("snapguard.takepoint.workload.groups", fromlist=["x"]).InstallOnImport())
+from snapguard.takepoint.workload.groups import GROUPS
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+torchs = str(c10d.BackendConfig(c10d.Backend.UNDEFINED))
+dist.init_process_group()
+print(json.dumps({"torch": torchs, "backend": str(dist.get_backend()), "unreached": GROUPS.unreached,
+                  "release": GROUPS.release(10)}))
+'''
+    env = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    translated, left = translate_backend(got["torch"])
+    assert not left and got["unreached"] == []
+    assert got["backend"] == translated, got  # e.g. cpu:sggloo for torch's cpu:gloo
+    assert got["release"]["released"] is True, got["release"]

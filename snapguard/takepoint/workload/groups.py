@@ -339,6 +339,16 @@ class InstallOnImport(AfterImport):
         super().__init__(DIST_MODULE, install_on, _wrap_failed)
 
 
+def _default_backend(module: Any) -> str:
+    """What torch itself makes of init_process_group(backend=None), as "device:backend" pairs
+    (torch 2.13: the accelerator's default backend only, `cpu:gloo` where there is none)."""
+    try:
+        return str(module.BackendConfig(module.Backend.UNDEFINED))
+    except Exception:  # an older torch: its documented default
+        return "cpu:gloo,cuda:nccl" if module.is_nccl_available() and sys.modules["torch"].cuda.is_available() \
+            else "gloo"
+
+
 def _wrap_failed(e: Exception) -> None:  # torch's internals moved: the groups stay as torch makes them
     GROUPS.unreached.append(f"the take point could not wrap torch.distributed: {type(e).__name__}: {e}"[:300])
 
@@ -376,8 +386,7 @@ def install_on(module: Any) -> None:
         why = _unreached(init_method, store, rank, world_size)
         if why is None:
             if backend is None:
-                backend = "cpu:gloo,cuda:nccl" if module.is_nccl_available() and \
-                    sys.modules["torch"].cuda.is_available() else "gloo"
+                backend = _default_backend(module)
             backend, left = translate_backend(backend)
             if left:
                 why = f"backend {', '.join(left)}: only gloo and nccl are released at the hold"
