@@ -86,6 +86,12 @@ def test_tampered_image_refused_before_restore(
     assert msg.startswith(f"snapguard IMAGE_CORRUPT: image file {pages.name} has sha256 ")
     record = json.loads((work / "snapguard-result.json").read_text())
     assert record["reason"] == "IMAGE_CORRUPT" and record["evidence"]["path"] == str(pages)
+    # kept in the state directory too, where a bundle's removal does not take it
+    state = Path(containerd.env["SNAPGUARD_STATE_DIR"])
+    assert json.loads((state / "runs" / "restore-t-tampered.json").read_text()) == record
+    kept = json.loads((state / "runs" / "checkpoint-t-tamper.json").read_text())
+    assert kept["ok"] is True and kept["timings"]["total_s"] > 0
+    assert (state / "runs").stat().st_mode & 0o777 == 0o700
     assert not (work / "restore.log").exists(), "runc restore ran despite the corrupt image"
     assert subprocess.run([containerd.runc, "--root", str(runc_root), "state", "t-tampered"],
                           capture_output=True).returncode != 0
