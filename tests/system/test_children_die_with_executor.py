@@ -108,8 +108,8 @@ def test_runc_and_criu_die_with_a_killed_snapguard_runc(tmp_path: Path, runc: st
         pytest.fail(f"{RUNC} is missing: packaging/install-deps.sh installs it")
     if os.geteuid() != 0:
         pytest.fail("runc containers need root")
-    # a container whose dump takes a while: 1 GiB of touched memory
-    args = ["/usr/bin/python3", "-c", "import time; a = b'x' * (1 << 30); open('/out/ready', 'w').close(); "
+    # a container whose dump takes a while (seconds, even on a fast disk): 2 GiB of touched memory
+    args = ["/usr/bin/python3", "-c", "import time; a = b'x' * (2 << 30); open('/out/ready', 'w').close(); "
             "time.sleep(600)"]
     out = tmp_path / "out"
     out.mkdir()

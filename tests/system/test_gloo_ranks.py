@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.root, pytest.mark.stack]
 
 STEPS = 110
-AHEAD_S = 3.0  # the common step is this far ahead: both nodes' snapguard have started and asked by then
+AHEAD_S = 6.0  # the common step is this far ahead: both nodes' snapguard have started and asked by then
 PORT = 29517
 
 
