@@ -76,6 +76,9 @@ PYTHONPATH=$repo "${SNAPGUARD_PYTHON:-python3}" -m snapguard.config template >"$
 # bash's completion for snapguard (bash-completion loads it on the first <TAB> after `snapguard`)
 mkdir -p "$src/completion"
 PYTHONPATH=$repo "${SNAPGUARD_PYTHON:-python3}" -m snapguard.cli completion bash >"$src/completion/snapguard"
+# zsh's: a #compdef file in Debian's vendor-completions directory, which compinit reads
+mkdir -p "$src/completion/zsh"
+PYTHONPATH=$repo "${SNAPGUARD_PYTHON:-python3}" -m snapguard.cli completion zsh --autoload >"$src/completion/zsh/_snapguard"
 cp "$repo/README.md" "$src/"
 # the wheelhouse: snapguard's wheel, its dependencies for each CPython the package serves, pip
 py=${SNAPGUARD_PYTHON:-$repo/.venv/bin/python}

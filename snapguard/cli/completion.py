@@ -24,9 +24,12 @@ install:
   bash  snapguard completion bash > /etc/bash_completion.d/snapguard   (or: source <(snapguard completion bash))
   zsh   snapguard completion zsh > /usr/local/share/zsh/snapguard.zsh, then in ~/.zshrc after compinit:
         source /usr/local/share/zsh/snapguard.zsh                         (or: source <(snapguard completion zsh))
-        (a file sourced, not one in $fpath: the script binds _snapguard through zsh's bashcompinit)
+        or, as a file of $fpath that compinit autoloads (the Debian package installs it):
+        snapguard completion zsh --autoload > /usr/local/share/zsh/site-functions/_snapguard
 """, description="Print a completion script for the shell: commands, then each command's flags.")
     co.add_argument("shell", choices=("bash", "zsh"), help="the shell")
+    co.add_argument("--autoload", action="store_true",
+                    help="zsh: a `#compdef snapguard` file for a directory of $fpath, instead of a script to source")
 
 
 def _commands() -> dict[str, tuple[list[str], list[str]]]:
@@ -52,7 +55,12 @@ def _commands() -> dict[str, tuple[list[str], list[str]]]:
     return out
 
 
-def script(shell: str) -> str:
+def script(shell: str, *, autoload: bool = False) -> str:
+    """The completion script; for zsh with `autoload`, a file of $fpath: compinit autoloads it as
+    the function _snapguard, whose first call binds the bash-style function through bashcompinit
+    and completes that first word; later calls go to the binding."""
+    if autoload and shell != "zsh":
+        raise ValueError("--autoload is for zsh")
     commands = _commands()
     cases = []
     for name, (flags, paths) in commands.items():
@@ -77,11 +85,21 @@ _snapguard() {{
 }}
 complete -F _snapguard snapguard
 """
+    if shell == "zsh" and autoload:
+        body = body.replace("_snapguard() {", "_snapguard_bash() {", 1)
+        body = body.replace("complete -F _snapguard snapguard", "complete -F _snapguard_bash snapguard")
+        body = body.replace("by `snapguard completion zsh`", "by `snapguard completion zsh --autoload`")
+        return ("#compdef snapguard\n" "autoload -U +X bashcompinit && bashcompinit\n" + body +
+                '_bash_complete -F _snapguard_bash "$@"\n')
     if shell == "zsh":
         body = "autoload -U +X bashcompinit && bashcompinit\n" + body
     return body
 
 
 def run(args: argparse.Namespace) -> int:
-    print(script(args.shell), end="")
+    if args.autoload and args.shell != "zsh":
+        from ..reasons import Reason, SnapguardError
+
+        raise SnapguardError(Reason.USAGE_ERROR, "--autoload is for zsh: bash's completion loads the script itself")
+    print(script(args.shell, autoload=args.autoload), end="")
     return 0

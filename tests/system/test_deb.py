@@ -193,6 +193,8 @@ def test_node_profile_on_debian_12_has_nothing_of_the_rig(built: tuple[Path, dic
     assert "/etc/snapguard/config.toml" in chroot.ok("dpkg-query", "-W", "-f=${Conffiles}", "snapguard")
     assert chroot.path("/usr/share/bash-completion/completions/snapguard").read_text() == chroot.ok(
         "snapguard", "completion", "bash")
+    assert chroot.path("/usr/share/zsh/vendor-completions/_snapguard").read_text() == chroot.ok(
+        "snapguard", "completion", "zsh", "--autoload")
     # the boot units enabled, the agent's installed only (it runs once its sources and store are set)
     assert chroot.path(f"{WANTS}/snapguard-preflight.service").is_symlink()
     assert chroot.path(f"{WANTS}/snapguard-spill.service").is_symlink()

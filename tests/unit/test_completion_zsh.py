@@ -92,6 +92,23 @@ def test_zsh_loads_the_script_and_completes_commands_flags_and_paths(tmp_path: P
     assert {"push", "pull", "restore", "images", "inspect", "agent", "completion"} <= set(offers[3])
 
 
+def test_the_autoload_file_in_fpath_completes_from_the_first_tab(tmp_path: Path) -> None:
+    """`snapguard completion zsh --autoload` as `_snapguard` in a directory of $fpath (as the Debian
+    package installs it): compinit binds it by its #compdef line, the first TAB completes, and the
+    later ones go through the bashcompinit binding it made."""
+    site = tmp_path / "site-functions"
+    site.mkdir()
+    (site / "_snapguard").write_text(subprocess.run([os.path.join(BIN, "snapguard"), "completion", "zsh", "--autoload"],
+                                                    capture_output=True, text=True, timeout=60, check=True).stdout)
+    (tmp_path / "imgdir").mkdir()
+    load = f'fpath=({site} $fpath); compinit -u -d "$ZDOTDIR/.zcompdump2"'
+    comps, offers = _offers(tmp_path, load, "snapguard i", "snapguard push --s", "snapguard push --images img")
+    assert comps == "comps=_snapguard", comps  # compinit's binding of the #compdef file
+    assert offers[0] == ["images", "inspect", "install"]
+    assert offers[1] == ["--store"]
+    assert offers[2] == ["imgdir"]
+
+
 def test_without_the_script_zsh_offers_nothing_of_snapguards(tmp_path: Path) -> None:
     """The recorder sees no snapguard command where no script is loaded: the offers above are the script's."""
     comps, offers = _offers(tmp_path, ":", "snapguard i")
