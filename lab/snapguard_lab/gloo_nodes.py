@@ -50,12 +50,13 @@ class NodesJob(DdpJob):
             "--node-rank", str(node_rank), "--master", master])
 
     def start_torchrun(self, nodes: Nodes | None, name: str, rendezvous: list[str],
-                       take_dir: str | None) -> subprocess.Popen[bytes]:
-        """An unmodified `torchrun --nnodes 1 --nproc-per-node WORLD RENDEZVOUS... train.py` on
+                       take_dir: str | None, nnodes: int = 1) -> subprocess.Popen[bytes]:
+        """An unmodified `torchrun --nnodes N --nproc-per-node WORLD/N RENDEZVOUS... train.py` on
         node `name` (its elastic agent the root of the tree); `rendezvous`: torchrun's own
-        options (`--master-addr A --master-port P` for its static rendezvous, `--standalone`)."""
+        options (`--master-addr A --master-port P` for its static rendezvous, `--standalone`,
+        `--rdzv-backend c10d --rdzv-endpoint A:P --rdzv-id J` for the c10d one of several nodes)."""
         return self._start(nodes, name, take_dir, [
-            TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(self.world), *rendezvous, str(TRAIN)])
+            TORCHRUN, "--nnodes", str(nnodes), "--nproc-per-node", str(self.world // nnodes), *rendezvous, str(TRAIN)])
 
     def _start(self, nodes: Nodes | None, name: str, take_dir: str | None,
                argv: list[str]) -> subprocess.Popen[bytes]:

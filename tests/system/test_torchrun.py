@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.root, pytest.mark.stack]
 
-STEPS = {"static": 80, "standalone": 45}  # a few past the last snapshot's step: the run after it is short
+STEPS = {"static": 80, "standalone": 45, "c10d": 70}  # a few past the last snapshot's step: the run after it is short
 STEP_SLEEP = 0.15  # seconds per step outside the math: the steps' pace is the sleep's, whatever the load
 AHEAD_S = 4.0  # the common step is this far ahead: snapguard has started and asked by then
 PORT = 29531
@@ -81,3 +82,46 @@ def test_torchrun_job_leave_running_then_restored_elsewhere(tmp_path: Path, env:
             assert job.mismatches(ref) == []
         finally:
             subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)
+
+
+def test_a_c10d_job_of_two_nodes_restored_on_two_other_nodes(tmp_path: Path, env: dict[str, str]) -> None:
+    """`torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint A:P` on nodes a and b (one rank each,
+    node a hosting the rendezvous's store and, its address sorting first, rank 0 with the workers'
+    store), both stopped at one step and restored on nodes c and d of another link, each restore
+    naming c with --rendezvous: the rendezvous's store moves with the workers' one, and the job
+    continues exactly."""
+    with Nodes(["a", "b"]) as first, Nodes(["c", "d"]) as second:
+        ref = NodesJob(tmp_path / "ref", 2, STEPS["c10d"])
+        reference = ref.start_reference()  # meanwhile
+        job = NodesJob(tmp_path / "job", 2, STEPS["c10d"], step_sleep=STEP_SLEEP)
+        take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
+        endpoint = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.addresses['a']}:{PORT}", "--rdzv-id", "j1"]
+        procs = [job.start_torchrun(first, n, [*endpoint, "--rdzv-conf", f"is_host={int(n == 'a')}",
+                                               "--local-addr", first.addresses[n]], take, nnodes=2) for n in "ab"]
+        try:
+            job.wait_step(3)
+            at = max(max(job.rows(r)) for r in range(job.world)) + int(AHEAD_S / job.step_sleep) + 2
+            assert at < job.steps - 2, f"the job is at step {at} already: too slow a machine for this test"
+            with ThreadPoolExecutor(2) as pool:
+                done = list(pool.map(lambda np: snapguard_in(first, np[0], [
+                    "checkpoint", "--pid", str(np[1].pid), "--images", str(tmp_path / "img" / np[0]),
+                    "--take-wait", "20", "--at-step", str(at)], env), zip("ab", procs)))
+            for d in done:
+                assert d.returncode == 0, (d.stdout, d.stderr)
+                assert [f["step"] for f in d.stdout["take_point"].values()] == [at]
+            for p in procs:
+                p.wait(timeout=30)
+            rendezvous = f"{second.addresses['c']}:{PORT + 1}"
+            with ThreadPoolExecutor(2) as pool:
+                done = list(pool.map(lambda nm: snapguard_in(second, nm[1], [
+                    "restore", "--images", str(tmp_path / "img" / nm[0]), "--rendezvous", rendezvous], env),
+                    zip("ab", "cd")))
+            for d, node in zip(done, "cd"):
+                assert d.returncode == 0, (d.stdout, d.stderr)
+                assert os.stat(f"/proc/{d.stdout['pid']}/ns/net").st_ino == \
+                    os.stat(f"/var/run/netns/{second.ns(node)}").st_ino
+            assert reference.wait(timeout=120) == 0
+            assert job.mismatches(ref) == []
+        finally:
+            for p in procs:
+                subprocess.run(["pkill", "-9", "-s", str(p.pid)], check=False)
