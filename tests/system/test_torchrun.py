@@ -84,19 +84,22 @@ def test_torchrun_job_leave_running_then_restored_elsewhere(tmp_path: Path, env:
             subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)
 
 
-def test_a_c10d_job_of_two_nodes_restored_on_two_other_nodes(tmp_path: Path, env: dict[str, str]) -> None:
-    """`torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint A:P` on nodes a and b (one rank each,
-    node a hosting the rendezvous's store and, its address sorting first, rank 0 with the workers'
-    store), both stopped at one step and restored on nodes c and d of another link, each restore
-    naming c with --rendezvous: the rendezvous's store moves with the workers' one, and the job
-    continues exactly."""
+@pytest.mark.parametrize("endpoint_node", ["a", "b"])
+def test_a_c10d_job_of_two_nodes_restored_on_two_other_nodes(tmp_path: Path, env: dict[str, str],
+                                                             endpoint_node: str) -> None:
+    """`torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint X:P` on nodes a and b, one rank each
+    (node a, its address sorting first, is rank 0 and hosts the workers' store; X, which hosts the
+    rendezvous's store, is a or b), both stopped at one step and restored on nodes c and d of
+    another link, each restore naming c (a's) with --rendezvous: every store comes back on c, and
+    the job continues exactly."""
     with Nodes(["a", "b"]) as first, Nodes(["c", "d"]) as second:
         ref = NodesJob(tmp_path / "ref", 2, STEPS["c10d"])
         reference = ref.start_reference()  # meanwhile
         job = NodesJob(tmp_path / "job", 2, STEPS["c10d"], step_sleep=STEP_SLEEP)
         take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
-        endpoint = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.addresses['a']}:{PORT}", "--rdzv-id", "j1"]
-        procs = [job.start_torchrun(first, n, [*endpoint, "--rdzv-conf", f"is_host={int(n == 'a')}",
+        endpoint = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.addresses[endpoint_node]}:{PORT}",
+                    "--rdzv-id", "j1"]
+        procs = [job.start_torchrun(first, n, [*endpoint, "--rdzv-conf", f"is_host={int(n == endpoint_node)}",
                                                "--local-addr", first.addresses[n]], take, nnodes=2) for n in "ab"]
         try:
             job.wait_step(3)

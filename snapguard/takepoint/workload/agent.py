@@ -16,9 +16,9 @@ imported and a `LaunchConfig` is made. Then:
            answered after that, so none of them reports the hold before the agent has let go.
   rebuild  a worker, at its release, asks the agent to rebuild first: the servers come back on
            their ports (the one the workers use on the port the release's rendezvous names),
-           empty, the clients reconnect; after a restore elsewhere, every store that was on the
-           workers' store's node (the c10d rendezvous's backend, hosted by the --rdzv-endpoint
-           node's agent) moves to the rendezvous's node, on its own port; torchelastic's rendezvous state is made again by its
+           empty, the clients reconnect; after a restore elsewhere every store moves to the
+           rendezvous's node (the c10d rendezvous's backend on its own port), all of them hosted
+           by the agent that hosts the workers' store, whichever agent held them before; torchelastic's rendezvous state is made again by its
            next sync. A hold that no worker ends (they are gone) ends by itself after the
            take point's hold limit (HOLD_S_ENV) of running time, as a worker's does.
   CUDA     `LaunchConfig.__post_init__` asks torch.cuda.is_available() to pick default NUMA
@@ -161,15 +161,17 @@ class Agent:
         moved: tuple[str, int] | None = protocol.parse_rendezvous(rendezvous) if rendezvous else None
         try:
             if moved is not None:
-                # the workers' store (at `port`) goes where the rendezvous says; every other store
-                # on the node it was on (the c10d rendezvous's backend at --rdzv-endpoint) goes to
-                # the same node, on its own port
-                old_hosts = {s.host for s in self.stores if s.port == port}
+                # after a restore elsewhere every store of the job is on the rendezvous's node: the
+                # workers' (at `port`) on the port it names, the others (the c10d rendezvous's
+                # backend, at --rdzv-endpoint) on their own ports, all hosted by the agent that
+                # hosts the workers' store (they come back empty: which agent held one before does
+                # not matter), the other agents their clients
+                hosts_workers = any(s.is_master and s.port == port for s in self.stores)
                 for s in self.stores:
                     if s.port == port:
                         s.host, s.port = moved
-                    elif s.host in old_hosts:
-                        s.host = moved[0]
+                    else:
+                        s.host, s.is_master = moved[0], hosts_workers
             for s in [s for s in self.stores if s.is_master]:
                 s.connect()
             clients = [s for s in self.stores if not s.is_master]
