@@ -234,13 +234,17 @@ def test_torchrun_with_nproc_auto_starts_under_the_take_point(launch: str, tmp_p
     from snapguard.takepoint import site_dir
 
     worker = tmp_path / "worker.py"
-    worker.write_text("import os\nprint('worker', os.environ['LOCAL_WORLD_SIZE'], flush=True)\n")
+    worker.write_text("import os, sys\nopen(os.path.join(sys.argv[1], 'w' + os.environ['RANK']), 'w')"
+                      ".write(os.environ['LOCAL_WORLD_SIZE'])\n")
     head = [sys.executable, "-m", "torch.distributed.run"] if launch == "module" else \
         [str(Path(sys.executable).parent / "torchrun")]
     env = {**os.environ, "PYTHONPATH": f"{site_dir()}:{os.environ.get('PYTHONPATH', '')}",
            protocol.TAKE_DIR_ENV: str(tmp_path), "USE_LIBUV": "0"}
-    out = subprocess.run([*head, "--standalone", "--nnodes", "1", "--nproc-per-node", "auto", str(worker)],
+    seen = tmp_path / "seen"  # one file per worker: RANK -> LOCAL_WORLD_SIZE
+    seen.mkdir()
+    out = subprocess.run([*head, "--standalone", "--nnodes", "1", "--nproc-per-node", "auto", str(worker),
+                          str(seen)],
                          env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-2000:]
     count = torch._utils.cpu_count() if not torch.cuda.is_available() else torch.cuda.device_count()
-    assert out.stdout.count(f"worker {count}") == count, out.stdout
+    assert {p.name: p.read_text() for p in seen.iterdir()} == {f"w{r}": str(count) for r in range(count)}
