@@ -183,6 +183,9 @@ def _exchange(s: socket.socket, line: str, send: int | None = None) -> tuple[dic
             s.settimeout(max(0.01, deadline - time.monotonic()))
             chunk = s.recv(65536)
             reply += chunk
+        if not reply.strip():
+            raise ValueError("the take point closed the connection without an answer (its process exited, "
+                             "or it no longer serves)")
         first = bytes(reply).split(b"\n", 1)[0]
         depth = 0
         for b in _STRING.sub(b'""', first).translate(None, _BRACKETS):  # outside strings, before parsing

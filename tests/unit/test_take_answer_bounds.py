@@ -54,3 +54,11 @@ def test_brackets_inside_strings_do_not_count() -> None:
     deep_text = "[{" * 1000 + '\\"' + "}]" * 1000
     reply = json.dumps({"trainer": True, "pool": {"pids": [1, 2]}, "note": deep_text}).encode() + b"\n"
     assert _answer(reply) == json.loads(reply)
+
+
+@pytest.mark.parametrize("reply", [b"", b"\n", b"  \n"])
+def test_a_connection_closed_without_an_answer_says_so(reply: bytes) -> None:
+    """A trainer that exits with a take pending (it ended before the step asked for) closes the
+    connection: the reason names that, not a JSON parser's complaint."""
+    with pytest.raises(ValueError, match="closed the connection without an answer"):
+        _answer(reply)
