@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from snapguard.takepoint import site_dir
@@ -20,7 +21,7 @@ from .ddp import DdpJob
 from .netns import Nodes
 from .testbed import product_root
 
-__all__ = ["NODE_LAUNCH", "NodesJob", "TORCHRUN", "snapguard_in"]
+__all__ = ["NODE_LAUNCH", "NodesJob", "TORCHRUN", "restore_on", "snapguard_in"]
 
 NODE_LAUNCH = workloads.path("ddp", "node_launch.py")
 TRAIN = workloads.path("ddp", "train.py")
@@ -94,3 +95,16 @@ def snapguard_in(nodes: Nodes, name: str, args: list[str], env: dict[str, str],
     except ValueError:
         pass
     return done
+
+
+def restore_on(nodes: Nodes, images: dict[str, str], args: list[str], env: dict[str, str]) -> list[dict]:
+    """`snapguard restore --images IMAGE ARGS...` on each node of `images` ({node: image dir}) at
+    once, as each node's operator would; each must succeed with its tree in that node's network
+    namespace (the node's addresses). Their records, in `images`' order."""
+    with ThreadPoolExecutor(len(images)) as pool:
+        done = list(pool.map(lambda item: snapguard_in(nodes, item[0], ["restore", "--images", item[1], *args], env),
+                             images.items()))
+    for d, node in zip(done, images):
+        assert d.returncode == 0, (node, d.stdout, d.stderr)
+        assert os.stat(f"/proc/{d.stdout['pid']}/ns/net").st_ino == os.stat(f"/var/run/netns/{nodes.ns(node)}").st_ino
+    return [d.stdout for d in done]

@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.gloo_nodes import NodesJob, snapguard_in
+from snapguard_lab.gloo_nodes import NodesJob, restore_on, snapguard_in
 from snapguard_lab.netns import Nodes
 
 pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.root, pytest.mark.stack]
 
-STEPS = 110
 AHEAD_S = 6.0  # the common step is this far ahead: both nodes' snapguard have started and asked by then
+AHEAD = int(AHEAD_S / NodesJob.step_sleep) + 2  # in steps: a step takes at least step_sleep
+AFTER = 30  # steps the job still runs after its last snapshot's step (and the restored job with it)
 PORT = 29517
 
 
@@ -70,35 +71,29 @@ def checkpoint_both(nodes: Nodes, procs: list[subprocess.Popen[bytes]], at: int,
 def run_case(tmp_path: Path, env: dict[str, str], sites: tuple[Nodes, Nodes], world: int,
              split: list[list[int]], leave_running_first: bool) -> None:
     first, second = sites
-    ref = NodesJob(tmp_path / "ref", world, STEPS)
+    # every snapshot's step ahead of where the job is, and the job still running past the last
+    steps = 3 + (2 if leave_running_first else 1) * (AHEAD + 3) + AFTER
+    ref = NodesJob(tmp_path / "ref", world, steps)
     reference = ref.start_reference()  # meanwhile
-    job = NodesJob(tmp_path / "job", world, STEPS)
+    job = NodesJob(tmp_path / "job", world, steps)
     take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
     with launched(job, first, split, take) as procs:
         job.wait_step(3)
-        ahead = int(AHEAD_S / job.step_sleep) + 2  # a step takes at least step_sleep: AHEAD_S at least
-        at = max(max(job.rows(r)) for r in range(world)) + ahead
+        at = max(max(job.rows(r)) for r in range(world)) + AHEAD
         if leave_running_first:
             records = checkpoint_both(first, procs, at, tmp_path / "live", env, leave_running=True)
             held = [f for rec in records for f in rec["take_point"].values()]
             assert {f["step"] for f in held} == {at} and len(held) == world
             assert all(f["process_groups"]["released"] is True and f["process_groups"]["groups"] for f in held), held
             job.wait_step(at + 3)
-        at = max(max(job.rows(r)) for r in range(world)) + ahead
+        at = max(max(job.rows(r)) for r in range(world)) + AHEAD
+        assert at <= steps - AFTER // 2, (at, steps)  # the job has not outrun its own length
         checkpoint_both(first, procs, at, tmp_path / "img", env, leave_running=False)
         for p in procs:
             p.wait(timeout=30)
-        rendezvous = f"{second.addresses['c']}:{PORT + 1}"
-        with ThreadPoolExecutor(2) as pool:
-            done = list(pool.map(lambda nm: snapguard_in(second, nm[1], ["restore", "--images",
-                                                                          str(tmp_path / "img" / nm[0]),
-                                                                          "--rendezvous", rendezvous], env),
-                                 zip("ab", "cd")))
-        for d, node in zip(done, "cd"):
-            assert d.returncode == 0, (d.stdout, d.stderr)
-            # the node's tree runs in the other node's network namespace (its addresses)
-            assert os.stat(f"/proc/{d.stdout['pid']}/ns/net").st_ino == \
-                os.stat(f"/var/run/netns/{second.ns(node)}").st_ino
+        # each node's tree runs in the other node's network namespace (its addresses)
+        restore_on(second, {"c": str(tmp_path / "img" / "a"), "d": str(tmp_path / "img" / "b")},
+                   ["--rendezvous", f"{second.addresses['c']}:{PORT + 1}"], env)
         assert reference.wait(timeout=120) == 0
         assert job.mismatches(ref) == []
 

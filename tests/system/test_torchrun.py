@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard_lab.gloo_nodes import NodesJob, snapguard_in
+from snapguard_lab.gloo_nodes import NodesJob, restore_on, snapguard_in
 from snapguard_lab.netns import Nodes
 
 pytest.importorskip("torch")
@@ -71,13 +71,8 @@ def test_torchrun_job_leave_running_then_restored_elsewhere(tmp_path: Path, env:
                 job.wait_step(max(job.rows(0)) + 3)
             checkpoint(job, first, proc.pid, tmp_path / "img", env, leave_running=False)
             proc.wait(timeout=30)
-            args = ["restore", "--images", str(tmp_path / "img")]
-            if static:
-                args += ["--rendezvous", f"{second.addresses['c']}:{PORT + 1}"]
-            done = snapguard_in(second, "c", args, env)
-            assert done.returncode == 0, (done.stdout, done.stderr)
-            assert os.stat(f"/proc/{done.stdout['pid']}/ns/net").st_ino == \
-                os.stat(f"/var/run/netns/{second.ns('c')}").st_ino
+            restore_on(second, {"c": str(tmp_path / "img")},
+                       ["--rendezvous", f"{second.addresses['c']}:{PORT + 1}"] if static else [], env)
             assert reference.wait(timeout=120) == 0
             assert job.mismatches(ref) == []
         finally:
@@ -114,15 +109,8 @@ def test_a_c10d_job_of_two_nodes_restored_on_two_other_nodes(tmp_path: Path, env
                 assert [f["step"] for f in d.stdout["take_point"].values()] == [at]
             for p in procs:
                 p.wait(timeout=30)
-            rendezvous = f"{second.addresses['c']}:{PORT + 1}"
-            with ThreadPoolExecutor(2) as pool:
-                done = list(pool.map(lambda nm: snapguard_in(second, nm[1], [
-                    "restore", "--images", str(tmp_path / "img" / nm[0]), "--rendezvous", rendezvous], env),
-                    zip("ab", "cd")))
-            for d, node in zip(done, "cd"):
-                assert d.returncode == 0, (d.stdout, d.stderr)
-                assert os.stat(f"/proc/{d.stdout['pid']}/ns/net").st_ino == \
-                    os.stat(f"/var/run/netns/{second.ns(node)}").st_ino
+            restore_on(second, {"c": str(tmp_path / "img" / "a"), "d": str(tmp_path / "img" / "b")},
+                       ["--rendezvous", f"{second.addresses['c']}:{PORT + 1}"], env)
             assert reference.wait(timeout=120) == 0
             assert job.mismatches(ref) == []
         finally:
