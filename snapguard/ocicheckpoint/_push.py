@@ -17,6 +17,11 @@ manifest name the layer's digest) is assembled once the digest is known:
     PUT  <Location>?digest=<d>  (no body)     -> 201, Docker-Content-Digest must be d
     ... then the config and the manifest as above
 
+A registry that refuses the streamed upload (PATCH answered 405 or 501: some registries and the
+proxies in front of them allow only monolithic uploads) has already been sent every byte, so the
+digest is known: the abandoned session is cancelled (DELETE, its answer ignored) and the layer goes
+up as one monolithic PUT ?digest= with the bytes, a second read of the archive.
+
 The whole exchange ends within `deadline_s`: a watchdog shuts the connection's socket down at the
 deadline, so a registry that stops answering mid-body cannot hold the push (REGISTRY_TOO_SLOW). A
 registry answering another digest than the bytes pushed is REGISTRY_DIGEST_MISMATCH; any other
@@ -73,6 +78,7 @@ class Published:
     image: CheckpointImage
     pushed: Pushed
     timings: dict[str, float] = field(default_factory=dict)
+    upload: str = "streamed"  # the layer's upload: "streamed" (PATCH), or "monolithic" (PATCH refused)
 
 
 class _Exchange:
@@ -217,9 +223,13 @@ def _with_digest(path: str, digest: str) -> str:
     return path + ("&" if "?" in path else "?") + "digest=" + quote(digest)
 
 
-def _stream_layer(ex: _Exchange, repo: str, archive: str, size: int) -> str:
+_PATCH_REFUSED = (405, 501)  # the method is not allowed, or not implemented: monolithic uploads only
+
+
+def _stream_layer(ex: _Exchange, repo: str, archive: str, size: int) -> tuple[str, str]:
     """The archive streamed up as a new blob (POST, PATCH, PUT ?digest=), hashed as it is sent;
-    its digest, as the registry confirmed it."""
+    its digest, as the registry confirmed it, and how it went up ("streamed", or "monolithic"
+    where the registry refused PATCH)."""
     status, headers, data = ex.request("POST", f"/v2/{repo}/blobs/uploads/", b"", {"Content-Length": "0"})
     if status != 202:
         raise ex.refuse("starting the layer's upload", status, data)
@@ -227,15 +237,25 @@ def _stream_layer(ex: _Exchange, repo: str, archive: str, size: int) -> str:
     hasher = hashlib.sha256()
     status, headers, data = ex.request("PATCH", path, archive, {"Content-Type": "application/octet-stream"},
                                        size=size, hasher=hasher)
+    digest = "sha256:" + hasher.hexdigest()  # every byte was sent, whatever the answer
+    if status in _PATCH_REFUSED:
+        ex.request("DELETE", path)  # the session abandoned; a registry that keeps it expires it
+        try:
+            _push_blob(ex, repo, digest, archive, size)
+        except SnapguardError as e:
+            if e.reason is not Reason.REGISTRY_UNREACHABLE:
+                raise
+            raise SnapguardError(e.reason, f"the layer's streamed upload (PATCH) was refused (HTTP {status}), "
+                                 f"and its monolithic upload: {e.failure.detail}", evidence=e.failure.evidence) from None
+        return digest, "monolithic"
     if status != 202:
         raise ex.refuse("the layer's streamed upload (PATCH)", status, data)
-    digest = "sha256:" + hasher.hexdigest()
     path = _upload_path(ex, headers.get("Location"), status, data, "the layer's streamed upload (PATCH)")
     status, headers, data = ex.request("PUT", _with_digest(path, digest), b"", {"Content-Length": "0"})
     if status not in (201, 204):
         raise ex.refuse(f"completing the upload of {digest}", status, data)
     _check_digest(ex, f"blob {digest}", headers.get("Docker-Content-Digest"), digest)
-    return digest
+    return digest, "streamed"
 
 
 def _push_manifest(ex: _Exchange, image: CheckpointImage, repository: str, tag: str) -> None:
@@ -270,12 +290,13 @@ def publish_archive(archive: str, registry_url: str, repository: str, tag: str, 
     ex = _Exchange(registry_url, max(deadline_s - (t1 - t0), 0.001))
     try:
         size = scanned.parts.archive
-        digest = _stream_layer(ex, repository, scanned.archive, size)
+        digest, upload = _stream_layer(ex, repository, scanned.archive, size)
         t2 = time.monotonic()
         image = assemble(scanned, digest, size)
         _push_manifest(ex, image, repository, tag)
     finally:
         ex.close()
     pushed = Pushed(ex.host, repository, tag, image.digest, image.layer_size + len(image.config) + len(image.manifest))
-    return Published(image, pushed, {"scan_s": t1 - t0, "layer_s": t2 - t1, "rest_s": time.monotonic() - t2})
+    return Published(image, pushed, {"scan_s": t1 - t0, "layer_s": t2 - t1, "rest_s": time.monotonic() - t2},
+                     upload)
 

@@ -57,20 +57,25 @@ PEER = textwrap.dedent('''
             self._send(202, [("Location", f"/v2/up/{u}?_state=s{u}")])
         def do_PATCH(self):
             d, size, _ = self._body(); log.append(("PATCH", self.path, size))
-            if REFUSE_PATCH: return self._send(405, body=b'{"errors":[{"code":"UNSUPPORTED"}]}')
+            if MODE in ("refuse-patch", "refuse-uploads"):
+                return self._send(405, body=b'{"errors":[{"code":"UNSUPPORTED"}]}')
             uploads[self.path.split("/")[3].split("?")[0]] = (d, size)
             self._send(202, [("Location", self.path + "&after=patch")])
         def do_PUT(self):
             d, size, data = self._body(); log.append(("PUT", self.path, size))
             if "/manifests/" in self.path:
                 blobs[d] = (data.decode(), size); return self._send(201, [("Docker-Content-Digest", d)])
+            if MODE == "refuse-uploads" and size: return self._send(405, body=b'{"errors":[{"code":"DENIED"}]}')
             u = self.path.split("/")[3].split("?")[0]; want = self.path.split("digest=")[1].replace("%3A", ":")
             if size: uploads[u] = (d, size)
             got = uploads[u]
             if got[0] != want: return self._send(400, body=b'{"errors":[{"code":"DIGEST_INVALID"}]}')
             blobs[want] = (data.decode("latin-1") if got[1] < 4096 else "", got[1])
             self._send(201, [("Docker-Content-Digest", want)])
-    REFUSE_PATCH = sys.argv[1] == "refuse-patch"
+        def do_DELETE(self):
+            log.append(("DELETE", self.path, 0)); uploads.pop(self.path.split("/")[3].split("?")[0], None)
+            self._send(204)
+    MODE = sys.argv[1]
     s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     print(s.server_address[1], flush=True)
     s.serve_forever()
@@ -144,7 +149,7 @@ def test_publish_reads_the_archive_once_and_the_registry_gets_its_digest(archive
     methods = [m for m, _, _ in log]
     assert methods[:3] == ["POST", "PATCH", "PUT"], methods
     assert log[1][2] == size and log[2][2] == 0 and f"digest={want.replace(':', '%3A')}" in log[2][1]
-    assert blobs[want] == size
+    assert blobs[want] == size and out.upload == "streamed"
     image = out.image
     manifest = json.loads(image.manifest)
     assert manifest["layers"] == [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": want,
@@ -162,10 +167,36 @@ def test_publish_reads_the_archive_once_and_the_registry_gets_its_digest(archive
     assert (built.digest, built.layer_digest) == (image.digest, want)
 
 
-def test_a_registry_that_refuses_the_streamed_upload_is_one_typed_line(archive: Path) -> None:
+def test_a_registry_that_refuses_the_streamed_upload_gets_one_monolithic_put(archive: Path) -> None:
+    """PATCH answered 405 (a registry, or a proxy in front of it, allowing monolithic uploads only):
+    the session is cancelled and the layer goes up in one PUT ?digest= with its bytes; the same
+    image as a streamed upload makes, the archive read twice (not hashed a second time)."""
+    size = archive.stat().st_size
+    want = "sha256:" + hashlib.sha256(archive.read_bytes()).hexdigest()
     for url in _peer("refuse-patch"):
+        before = _rchar()
+        out = ocicheckpoint.publish_archive(str(archive), url, "ckpt/job-1", "e3", job="job-1", epoch=3,
+                                            deadline_s=30)
+        read = _rchar() - before
+        assert 2 * size <= read < 2 * size + (2 << 20), f"read {read} bytes for an archive of {size}"
+        log, blobs = _log(url)
+        methods = [m for m, _, _ in log]
+        assert methods[:6] == ["POST", "PATCH", "DELETE", "HEAD", "POST", "PUT"], methods
+        assert log[1][2] == size and log[5][2] == size and f"digest={want.replace(':', '%3A')}" in log[5][1]
+        assert log[2][1] == log[1][1]  # the refused session is the one cancelled
+        assert blobs[want] == size and out.upload == "monolithic"
+        assert out.image.layer_digest == want and out.pushed.digest in blobs
+        built = ocicheckpoint.build_image(str(archive), job="job-1", epoch=3)
+        assert out.image.digest == built.digest
+
+
+def test_a_registry_that_refuses_both_uploads_is_one_typed_line(archive: Path) -> None:
+    for url in _peer("refuse-uploads"):
         with pytest.raises(SnapguardError) as refused:
             ocicheckpoint.publish_archive(str(archive), url, "ckpt/job-1", "e3", job="job-1", epoch=3, deadline_s=30)
         assert refused.value.reason is Reason.REGISTRY_UNREACHABLE
-        assert "streamed upload (PATCH)" in str(refused.value) and "HTTP 405" in str(refused.value)
-        assert "\n" not in str(refused.value)
+        text = str(refused.value)
+        assert "streamed upload (PATCH) was refused (HTTP 405)" in text and "monolithic upload" in text, text
+        assert "DENIED" in text and "\n" not in text
+        log, blobs = _log(url)
+        assert blobs == {}  # nothing half-published: no manifest
