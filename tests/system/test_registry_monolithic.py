@@ -10,10 +10,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import http.server
-import io
 import json
-import os
-import tarfile
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +21,7 @@ import pytest
 
 from snapguard import ocicheckpoint
 from snapguard_lab.cri import Registry
+from snapguard_lab.cri_archive import write_archive
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
@@ -90,33 +88,10 @@ def front(tmp_path: Path) -> Iterator[tuple[str, Registry, list[str]]]:
         reg.proc.wait(10)
 
 
-def _member(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tf.addfile(info, io.BytesIO(data))
-
-
-def _archive(path: Path) -> Path:
-    with tarfile.open(path, "w") as tf:
-        _member(tf, "config.dump", json.dumps({"name": "trainer", "rootfsImageName": "reg/x:1",
-                                               "checkpointedTime": "2026-12-04T06:00:00Z"}).encode())
-        _member(tf, "spec.dump", json.dumps({"annotations": {"io.kubernetes.cri.container-name": "trainer",
-                                                             "io.kubernetes.cri.sandbox-name": "pod-0"}}).encode())
-        _member(tf, "rootfs-diff.tar", b"d" * 10240)
-        info = tarfile.TarInfo("checkpoint")
-        info.type = tarfile.DIRTYPE
-        tf.addfile(info)
-        _member(tf, "checkpoint/pages-1.img", os.urandom(6 << 20))
-        _member(tf, "checkpoint/core-7.img", b"c" * 1000)
-        _member(tf, "checkpoint/snapguard-manifest.json", b'{"files": {}}')
-        _member(tf, "checkpoint/snapguard-complete.json", b"{}")
-    return path
-
-
 def test_the_layer_goes_up_in_one_put_and_the_registry_serves_the_image(
         front: tuple[str, Registry, list[str]], tmp_path: Path) -> None:
     url, reg, seen = front
-    archive = _archive(tmp_path / "checkpoint.tar")
+    archive = write_archive(tmp_path / "checkpoint.tar", 6 << 20)
     out = ocicheckpoint.publish_archive(str(archive), url, "ckpt/job-1", "e3", job="job-1", epoch=3, deadline_s=60)
     assert out.upload == "monolithic"
     assert seen[:3] == ["POST", "PATCH", "DELETE"] and "PUT" in seen[3:], seen

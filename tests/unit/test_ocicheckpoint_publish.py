@@ -11,12 +11,9 @@ The one read is measured, not assumed: the kernel's count of the bytes this proc
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
 import subprocess
 import sys
-import tarfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +22,7 @@ import pytest
 
 from snapguard import ocicheckpoint
 from snapguard.reasons import Reason, SnapguardError
+from snapguard_lab.cri_archive import ROOTFS_DIFF, SPILL, write_archive
 
 PAGES = 48 << 20
 
@@ -97,30 +95,9 @@ def registry() -> Iterator[str]:
     yield from _peer()
 
 
-def _member(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tf.addfile(info, io.BytesIO(data))
-
-
 @pytest.fixture
 def archive(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoint.tar"
-    with tarfile.open(path, "w") as tf:
-        _member(tf, "config.dump", json.dumps({"name": "trainer", "rootfsImageName": "reg/x:1",
-                                               "checkpointedTime": "2026-12-03T20:00:00Z"}).encode())
-        _member(tf, "spec.dump", json.dumps({"annotations": {"io.kubernetes.cri.container-name": "trainer",
-                                                             "io.kubernetes.cri.sandbox-name": "pod-0"}}).encode())
-        _member(tf, "rootfs-diff.tar", b"d" * 10240)
-        info = tarfile.TarInfo("checkpoint")
-        info.type = tarfile.DIRTYPE
-        tf.addfile(info)
-        _member(tf, "checkpoint/pages-1.img", os.urandom(PAGES))
-        _member(tf, "checkpoint/snapguard-take-7.bin", b"s" * 4096)
-        _member(tf, "checkpoint/core-7.img", b"c" * 1000)
-        _member(tf, "checkpoint/snapguard-manifest.json", b'{"files": {}}')
-        _member(tf, "checkpoint/snapguard-complete.json", b"{}")
-    return path
+    return write_archive(tmp_path / "checkpoint.tar", PAGES)
 
 
 def _rchar() -> int:
@@ -160,7 +137,7 @@ def test_publish_reads_the_archive_once_and_the_registry_gets_its_digest(archive
     assert manifest["annotations"]["io.snapguard.epoch"] == "3"
     assert manifest["annotations"][ocicheckpoint.ANNOTATION_CONTAINER] == "trainer"
     p = image.parts
-    assert (p.pages, p.spill, p.rootfs_diff, p.archive) == (PAGES, 4096, 10240, size)
+    assert (p.pages, p.spill, p.rootfs_diff, p.archive) == (PAGES, SPILL, ROOTFS_DIFF, size)
     assert p.other > 1000 and p.files == 8
     # the same image as the two-pass build makes
     built = ocicheckpoint.build_image(str(archive), job="job-1", epoch=3)
