@@ -28,14 +28,14 @@ children.run(["/bin/sleep", "60"], timeout_s=60, what="a stand-in child", reason
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting (ESRCH while it is reaped)
         return []
 
 
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or exiting (ESRCH while it is reaped)
         return False
 
 
