@@ -53,7 +53,7 @@ from typing import Any
 
 from .testbed import COMPAT, HANDLER, PAUSE_IMAGE, Containerd, build_counter_image, expected_hash
 
-__all__ = ["COUNTER_REPO", "CounterRows", "Cri", "CriLab", "Registry", "api", "counter_rows", "remove_all_pods"]
+__all__ = ["COUNTER_REPO", "CounterRows", "Cri", "CriLab", "Registry", "api", "counter_rows", "remove_all_pods", "tampered_archive"]
 
 COMPAT_BIN = f"{COMPAT}/bin"
 REGISTRY_BIN = "/usr/bin/docker-registry"
@@ -193,6 +193,24 @@ class Cri:
     def stop_and_remove(self, container_id: str) -> None:
         self.runtime.StopContainer(self.pb.StopContainerRequest(container_id=container_id, timeout=0), timeout=60)
         self.runtime.RemoveContainer(self.pb.RemoveContainerRequest(container_id=container_id), timeout=60)
+
+    def start_refused(self, container_id: str) -> str:
+        """StartContainer of a container whose start must fail: the one-line message the CRI
+        caller (the kubelet) gets; the container is then not running, and is removed."""
+        import grpc
+
+        try:
+            try:
+                self.start(container_id)
+            except grpc.RpcError as e:
+                message = str(e.details())
+            else:
+                raise AssertionError(f"container {container_id[:13]} started; its start was to be refused")
+            assert "\n" not in message, message
+            assert self.state(container_id) != "CONTAINER_RUNNING"
+            return message
+        finally:
+            self.stop_and_remove(container_id)
 
     def remove_all_sandboxes(self) -> None:
         for s in self.runtime.ListPodSandbox(self.pb.ListPodSandboxRequest(), timeout=10).items:
@@ -355,6 +373,24 @@ class Registry:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+
+def tampered_archive(archive: bytes, out: str | Path) -> str:
+    """A copy at `out` of the checkpoint archive (tar) `archive` with one bit flipped in the
+    middle of its largest page file, every header as it was (as an attacker who rebuilds the
+    image with consistent digests makes it); that file's name in the archive."""
+    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(out, "w") as dst:
+        members = src.getmembers()
+        pages = max((m for m in members if m.name.startswith("checkpoint/pages-")), key=lambda m: m.size)
+        for m in members:
+            f = src.extractfile(m) if m.isfile() else None
+            body = f.read() if f is not None else None
+            if m.name == pages.name:
+                flipped = bytearray(body or b"")
+                flipped[len(flipped) // 2] ^= 0x01
+                body = bytes(flipped)
+            dst.addfile(m, io.BytesIO(body) if body is not None else None)
+    return pages.name
 
 
 def lab_images(images: Path) -> tuple[bytes, dict[str, bytes], str]:

@@ -29,7 +29,7 @@ import pytest
 
 from snapguard.image import verify
 from snapguard.names import MANIFEST_NAME, MARKER_NAME, RESULT_NAME
-from snapguard_lab.cri import COUNTER_REPO, CounterRows, CriLab, counter_rows, wait_rows
+from snapguard_lab.cri import COUNTER_REPO, CounterRows, CriLab, counter_rows, tampered_archive, wait_rows
 from snapguard_lab.testbed import CONTAINERD_UMASK, compat_missing
 
 pytestmark = pytest.mark.stack
@@ -248,28 +248,12 @@ def test_tampered_archive_is_refused_at_start_as_one_typed_line(
     """The restore side of the same path is guarded: one flipped bit in a page file of the archive,
     and StartContainer's error is snapguard's IMAGE_CORRUPT line, CRIU never having run."""
     assert lab.cri is not None
-    pages = max((n for n in checkpointed.data if n.startswith("checkpoint/pages-")),
-                key=lambda n: len(checkpointed.data[n]))
     bad = str(pod.checkpoints / "tampered.tar")
-    with tarfile.open(bad, "w") as out:
-        for name, member in checkpointed.members.items():
-            body = checkpointed.data.get(name)
-            if name == pages:
-                flipped = bytearray(body or b"")
-                flipped[len(flipped) // 2] ^= 0x01
-                body = bytes(flipped)
-            out.addfile(member, io.BytesIO(body) if body is not None else None)
+    pages = tampered_archive(Path(checkpointed.archive).read_bytes(), bad)
     os.chmod(bad, 0o600)
     rid = lab.cri.create(pod.id, pod.config, lab.cri.container_config("tampered", bad, pod.config))
-    try:
-        with pytest.raises(grpc.RpcError) as refused:
-            lab.cri.start(rid)
-        message = refused.value.details()
-        assert "\n" not in message, message
-        assert f"snapguard IMAGE_CORRUPT: image file {pages.split('/', 1)[1]} has sha256 " in message, message
-        assert lab.cri.state(rid) != "CONTAINER_RUNNING"
-    finally:
-        lab.cri.stop_and_remove(rid)
+    message = lab.cri.start_refused(rid)
+    assert f"snapguard IMAGE_CORRUPT: image file {pages.split('/', 1)[1]} has sha256 " in message, message
 
 
 def test_preflight_refusal_reaches_the_cri_caller_as_one_typed_line(lab: CriLab, pod: Pod, tmp_path: Path) -> None:
