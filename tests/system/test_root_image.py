@@ -12,26 +12,17 @@ from pathlib import Path
 import pytest
 
 from snapguard import image
-from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, SnapguardError
+from snapguard_lab.trusted import image_fields, sealed_image
 
 pytestmark = pytest.mark.root
 
 NOBODY = 65534
 
 
-def _fields() -> dict:
-    return {"container_id": "c", "criu_version": "4.2.1", "host": host_facts(), "processes": []}
-
-
 @pytest.fixture
 def sealed(tmp_path: Path) -> Path:
-    d = tmp_path / "img"
-    d.mkdir()
-    (d / "pages-1.img").write_bytes(os.urandom(300_000))
-    (d / "core-1.img").write_bytes(b"core")
-    image.seal(str(d), _fields())
-    return d
+    return sealed_image(tmp_path / "img")
 
 
 def _refusal(d: Path) -> SnapguardError:
@@ -49,7 +40,7 @@ def test_seal_refuses_a_device_node(tmp_path: Path) -> None:
     os.mknod(odd, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     t0 = time.monotonic()
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(d), _fields())
+        image.seal(str(d), image_fields())
     assert time.monotonic() - t0 < 5
     assert e.value.reason is Reason.IMAGE_WRITE_FAILED and "odd.img" in str(e.value)
     assert not (d / image.MARKER_NAME).exists()
@@ -67,7 +58,7 @@ def test_image_dir_under_another_users_directory_is_untrusted(tmp_path: Path) ->
     d = parent / "img"
     d.mkdir()
     (d / "core-1.img").write_bytes(b"core")
-    image.seal(str(d), _fields())
+    image.seal(str(d), image_fields())
     os.chown(parent, NOBODY, NOBODY)
     e = _refusal(d)
     assert e.reason is Reason.UNTRUSTED_PATH and e.failure.evidence["image"] == str(d)

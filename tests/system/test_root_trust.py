@@ -13,6 +13,8 @@ import pytest
 from snapguard import config as config_mod
 from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc, resolve_cuda_checkpoint
 from snapguard.trust import UntrustedPathError, check_trusted_libdir, make_private_dir, resolve_trusted
+from snapguard_lab.trusted import make_exe
+from snapguard_lab.trusted import why_untrusted as why
 from tests.unit.test_trust import _private_dirs
 
 pytestmark = pytest.mark.root
@@ -26,25 +28,11 @@ def tmp(tmp_path: Path) -> Path:
     return Path(os.path.realpath(tmp_path))
 
 
-def make_exe(path: Path, mode: int = 0o755) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(mode)
-    return path
-
-
 def nobody_dir(path: Path, mode: int = 0o755) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chown(path, NOBODY, NOBODY)
     path.chmod(mode)
     return path
-
-
-def why(path: str | Path, kind: str = "exec") -> str:
-    with pytest.raises(UntrustedPathError) as e:
-        resolve_trusted(str(path), kind)
-    assert "\n" not in str(e.value) and str(e.value) == f"{path}: {e.value.why}"
-    return e.value.why
 
 
 def test_nobody_owned_directory_on_the_way(tmp: Path) -> None:

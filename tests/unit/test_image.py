@@ -11,21 +11,13 @@ import pytest
 from snapguard import image
 from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, Severity, SnapguardError
+from snapguard_lab.trusted import image_fields, sealed_image
 
-
-
-def _fields() -> dict:
-    return {"container_id": "c", "criu_version": "4.2.1", "host": host_facts(), "processes": []}
 
 
 @pytest.fixture
 def sealed(tmp_path: Path) -> Path:
-    d = tmp_path / "img"
-    d.mkdir()
-    (d / "pages-1.img").write_bytes(os.urandom(300_000))
-    (d / "core-1.img").write_bytes(b"core")
-    image.seal(str(d), _fields())
-    return d
+    return sealed_image(tmp_path / "img")
 
 
 @pytest.fixture
@@ -67,11 +59,11 @@ def test_parallel_span_hashing_matches_sequential(tmp_path: Path, monkeypatch: p
     d.mkdir()
     (d / "pages-1.img").write_bytes(os.urandom(10_000))
     (d / "empty.img").write_bytes(b"")
-    sequential = image.seal(str(d), _fields())["files"]
+    sequential = image.seal(str(d), image_fields())["files"]
     monkeypatch.setattr(image.hashing, "_SPAN", 1000)
     monkeypatch.setattr(image.hashing, "_PARALLEL_BYTES", 0)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    parallel = image.seal(str(d), _fields())["files"]
+    parallel = image.seal(str(d), image_fields())["files"]
     assert image.verify(str(d)).to_json()["files"] == parallel
     assert parallel["empty.img"] == sequential["empty.img"]
     # the span scheme: the sha256 of the spans' sha256s
@@ -133,7 +125,7 @@ def test_seal_refuses_planted_link_and_leaves_its_target_alone(tmp_path: Path, o
         os.link(outside, d / "pages-2.img")
     before = outside.stat()
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(d), _fields())
+        image.seal(str(d), image_fields())
     assert e.value.reason is Reason.IMAGE_WRITE_FAILED
     assert "pages-2.img" in str(e.value)
     after = outside.stat()
@@ -159,7 +151,7 @@ def test_seal_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> N
         (odd / "x.img").write_bytes(b"x")
     t0 = time.monotonic()
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(d), _fields())
+        image.seal(str(d), image_fields())
     assert time.monotonic() - t0 < 5
     assert e.value.reason is Reason.IMAGE_WRITE_FAILED and "odd.img" in str(e.value)
     assert not (d / image.MARKER_NAME).exists()
@@ -171,7 +163,7 @@ def test_seal_refuses_symlinked_image_dir(tmp_path: Path) -> None:
     (real / "core-1.img").write_bytes(b"core")
     (tmp_path / "img").symlink_to(real)
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(tmp_path / "img"), _fields())
+        image.seal(str(tmp_path / "img"), image_fields())
     assert e.value.reason is Reason.IMAGE_WRITE_FAILED
     assert stat.S_IMODE((real / "core-1.img").stat().st_mode) == 0o644
 
@@ -183,7 +175,7 @@ def test_seal_refuses_a_symlinked_manifest_name(tmp_path: Path, outside: Path) -
     (d / "core-1.img").write_bytes(b"core")
     (d / image.MANIFEST_NAME).symlink_to(outside)
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(d), _fields())
+        image.seal(str(d), image_fields())
     assert e.value.reason is Reason.IMAGE_WRITE_FAILED and image.MANIFEST_NAME in str(e.value)
     assert outside.read_bytes() == b"s" * 123_457
 
@@ -194,7 +186,7 @@ def test_failed_reseal_leaves_no_marker(sealed: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(image.sealing, "_write", fail)
     with pytest.raises(OSError):
-        image.seal(str(sealed), _fields())
+        image.seal(str(sealed), image_fields())
     assert not (sealed / image.MARKER_NAME).exists()
     assert _refusal(sealed).reason is Reason.IMAGE_INCOMPLETE
 
@@ -504,9 +496,9 @@ def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, sm
     known = hasher.finish()
     assert set(known) == {"pages-1.img"} and sorted(known["pages-1.img"][1]) == list(range(7))
     assert hasher.finish() == {} and hasher.error is None  # once
-    manifest = image.seal(str(d), _fields(), known)
+    manifest = image.seal(str(d), image_fields(), known)
     assert image.verify(str(d)).to_json()["files"] == manifest["files"]
-    assert image.seal(str(d), _fields())["files"] == manifest["files"]
+    assert image.seal(str(d), image_fields())["files"] == manifest["files"]
 
 
 def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path: Path, small_spans: int) -> None:
@@ -522,7 +514,7 @@ def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path:
         f.write(os.urandom(small_spans * 3))
     time.sleep(0.1)
     assert hasher.done_spans() == 0
-    manifest = image.seal(str(d), _fields(), hasher.finish())
+    manifest = image.seal(str(d), image_fields(), hasher.finish())
     assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
@@ -535,7 +527,7 @@ def test_a_page_file_seen_shorter_loses_what_was_hashed_of_it(tmp_path: Path, sm
         f.write(os.urandom(small_spans * 2))
     known = hasher.finish()
     assert "pages-1.img" not in known
-    manifest = image.seal(str(d), _fields(), known)
+    manifest = image.seal(str(d), image_fields(), known)
     assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
@@ -546,7 +538,7 @@ def test_a_span_changed_after_it_was_hashed_is_refused_at_restore(tmp_path: Path
     with open(d / "pages-1.img", "r+b") as f:
         f.seek(small_spans + 5)
         f.write(b"\0" * 8)
-    image.seal(str(d), _fields(), hasher.finish())
+    image.seal(str(d), image_fields(), hasher.finish())
     with pytest.raises(SnapguardError) as e:
         image.verify(str(d))
     assert e.value.failure.reason is Reason.IMAGE_CORRUPT and "pages-1.img" in str(e.value)
@@ -557,7 +549,7 @@ def test_a_page_file_replaced_after_it_was_hashed_is_hashed_again(tmp_path: Path
     known = hasher.finish()
     (d / "new").write_bytes(os.urandom(small_spans * 3))
     os.replace(d / "new", d / "pages-1.img")  # another inode under the name
-    manifest = image.seal(str(d), _fields(), known)
+    manifest = image.seal(str(d), image_fields(), known)
     assert image.verify(str(d)).to_json()["files"] == manifest["files"]
 
 
@@ -571,5 +563,5 @@ def test_a_page_file_that_is_not_a_regular_file_stops_the_hasher_and_the_seal_re
     assert "symlink" in hasher.error
     known = hasher.finish()
     with pytest.raises(SnapguardError) as e:
-        image.seal(str(d), _fields(), known)
+        image.seal(str(d), image_fields(), known)
     assert e.value.failure.reason is Reason.IMAGE_WRITE_FAILED

@@ -24,26 +24,14 @@ from snapguard.trust import (
     private_tempdir,
     resolve_trusted,
 )
+from snapguard_lab.trusted import make_exe
+from snapguard_lab.trusted import why_untrusted as why
 
 
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     """tmp_path as the kernel names it (what resolve_trusted returns)."""
     return Path(os.path.realpath(tmp_path))
-
-
-def make_exe(path: Path, mode: int = 0o755) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(mode)
-    return path
-
-
-def why(path: str | Path, kind: str = "exec") -> str:
-    with pytest.raises(UntrustedPathError) as e:
-        resolve_trusted(str(path), kind)
-    assert "\n" not in str(e.value) and str(e.value) == f"{path}: {e.value.why}"
-    return e.value.why
 
 
 # --- the walk ---------------------------------------------------------------------------------
