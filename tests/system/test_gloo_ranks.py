@@ -2,7 +2,8 @@
 torchrun's agent launches them, snapshotted by snapguard running on each node: the take point
 releases every rank's process groups and store at the common step (no TCP connection in the
 image, no --tcp-established), rebuilds them after a leave-running snapshot, and after a stop +
-restore into two other nodes (other addresses) at the rendezvous the restore names; the loss bits
+restore into two other nodes (other addresses), or of one node's ranks onto another node beside
+the node that stayed, at the rendezvous the restore names; the loss bits
 of every step and the final state equal an uninterrupted run's. Real torch (CPU), CRIU, netns."""
 
 from __future__ import annotations
@@ -105,3 +106,26 @@ def test_two_ranks_leave_running_then_restored_on_other_nodes(tmp_path: Path, en
 
 def test_four_ranks_restored_on_other_nodes(tmp_path: Path, env: dict[str, str], sites: tuple[Nodes, Nodes]) -> None:
     run_case(tmp_path, env, sites, 4, [[0, 1], [2, 3]], leave_running_first=False)
+
+
+def test_one_node_reclaimed_its_ranks_restored_beside_the_one_that_stayed(tmp_path: Path,
+                                                                          env: dict[str, str]) -> None:
+    """The common reclaim: of a job's two nodes one is taken back. Both stop at the common step;
+    node a's tree comes back on node c (other addresses), node b's on node b itself, and the
+    groups meet at a rendezvous on c: the bits equal an uninterrupted run's."""
+    world = 2
+    steps = 3 + AHEAD + 3 + AFTER
+    ref = NodesJob(tmp_path / "ref", world, steps)
+    reference = ref.start_reference()
+    job = NodesJob(tmp_path / "job", world, steps)
+    take = os.path.join(env["SNAPGUARD_STATE_DIR"], "take")
+    with Nodes(["a", "b", "c"]) as nodes, launched(job, nodes, [[0], [1]], take) as procs:
+        job.wait_step(3)
+        at = max(max(job.rows(r)) for r in range(world)) + AHEAD
+        checkpoint_both(nodes, procs, at, tmp_path / "img", env, leave_running=False)
+        for p in procs:
+            p.wait(timeout=30)
+        restore_on(nodes, {"c": str(tmp_path / "img" / "a"), "b": str(tmp_path / "img" / "b")},
+                   ["--rendezvous", f"{nodes.addresses['c']}:{PORT + 2}"], env)
+        assert reference.wait(timeout=120) == 0
+        assert job.mismatches(ref) == []
