@@ -15,6 +15,9 @@ import pytest
 
 BIN = os.path.dirname(sys.executable)
 ZSH = "/usr/bin/zsh"
+# each TAB starts snapguard's completer (a Python start): a few seconds for a whole drive, but a
+# loaded 2-core machine (a CRIU dump of GiBs beside it) was seen past 60 s
+DRIVE_S = 180
 
 # the interactive zsh's startup: compinit, the script as the help says to load it, then a compadd
 # that records each offer (one file per case: the driver names it in $SG_CASE)
@@ -60,7 +63,7 @@ def _offers(tmp_path: Path, load: str, *typed: str) -> tuple[str, list[list[str]
     (home / "driver.zsh").write_text(DRIVER.format(zsh=ZSH))
     env = {"PATH": f"{BIN}:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
     out = subprocess.run([ZSH, "-f", str(home / "driver.zsh"), str(home), *typed], capture_output=True,
-                         text=True, timeout=60, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
+                         text=True, timeout=DRIVE_S, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     found = []
     for n in range(1, len(typed) + 1):
