@@ -13,7 +13,7 @@ import pytest
 
 from snapguard import image
 from snapguard.reasons import Reason, SnapguardError
-from snapguard_lab.trusted import image_fields, sealed_image
+from tests.trusted import image_fields, sealed_image
 
 pytestmark = pytest.mark.root
 

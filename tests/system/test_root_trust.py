@@ -13,8 +13,8 @@ import pytest
 from snapguard import config as config_mod
 from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc, resolve_cuda_checkpoint
 from snapguard.trust import UntrustedPathError, check_trusted_libdir, make_private_dir, resolve_trusted
-from snapguard_lab.trusted import make_exe
-from snapguard_lab.trusted import why_untrusted as why
+from tests.trusted import make_exe
+from tests.trusted import why_untrusted as why
 from tests.unit.test_trust import _private_dirs
 
 pytestmark = pytest.mark.root

@@ -11,7 +11,7 @@ import pytest
 from snapguard import image
 from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, Severity, SnapguardError
-from snapguard_lab.trusted import image_fields, sealed_image
+from tests.trusted import image_fields, sealed_image
 
 
 

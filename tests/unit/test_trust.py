@@ -24,8 +24,8 @@ from snapguard.trust import (
     private_tempdir,
     resolve_trusted,
 )
-from snapguard_lab.trusted import make_exe
-from snapguard_lab.trusted import why_untrusted as why
+from tests.trusted import make_exe
+from tests.trusted import why_untrusted as why
 
 
 @pytest.fixture
