@@ -13,9 +13,8 @@ import pytest
 from snapguard import config as config_mod
 from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc, resolve_cuda_checkpoint
 from snapguard.trust import UntrustedPathError, check_trusted_libdir, make_private_dir, resolve_trusted
-from tests.trusted import make_exe
+from tests.trusted import make_exe, private_dirs_under_umask
 from tests.trusted import why_untrusted as why
-from tests.unit.test_trust import _private_dirs
 
 pytestmark = pytest.mark.root
 
@@ -227,8 +226,4 @@ def test_cuda_checkpoint_is_returned_only_when_trusted(tmp: Path) -> None:
 @pytest.mark.parametrize("umask", [0o777])  # mkdir's 0000 directories: only root walks into them
 def test_make_private_dir_whatever_the_umask(tmp: Path, umask: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under umask 000 mkdir's 0700 stays 0700, under 077x it would be 0000: fchmod decides."""
-    old = os.umask(umask)
-    try:
-        _private_dirs(tmp, monkeypatch)
-    finally:
-        os.umask(old)
+    private_dirs_under_umask(tmp, umask, monkeypatch)

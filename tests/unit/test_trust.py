@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from snapguard.config import ConfigError, check_pinned_binary, load, pinned_runc
-from snapguard.files import ensure_private_dir
 from snapguard.trust import (
     UntrustedPathError,
     make_private_dir,
@@ -24,7 +23,7 @@ from snapguard.trust import (
     private_tempdir,
     resolve_trusted,
 )
-from tests.trusted import make_exe
+from tests.trusted import make_exe, private_dirs_under_umask
 from tests.trusted import why_untrusted as why
 
 
@@ -120,27 +119,7 @@ def umask_000() -> Iterator[None]:
 @pytest.mark.parametrize("umask", [0o000])  # 0o777, where only root can walk in: tests/system
 def test_make_private_dir_whatever_the_umask(tmp: Path, umask: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under umask 000 mkdir's 0700 stays 0700, under 077x it would be 0000: fchmod decides."""
-    old = os.umask(umask)
-    try:
-        _private_dirs(tmp, monkeypatch)
-    finally:
-        os.umask(old)
-
-
-def _private_dirs(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp / "state" / "run" / "snap"
-    assert make_private_dir(str(target)) == str(target)
-    for d in (tmp / "state", tmp / "state" / "run", target):
-        st = d.stat()
-        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), d
-    existing = tmp / "existing"
-    existing.mkdir(mode=0o755)
-    assert make_private_dir(str(existing)) == str(existing)
-    assert stat.S_IMODE(existing.stat().st_mode) == 0o700
-    # the files.py entry point callers use, relative paths taken from the cwd
-    monkeypatch.chdir(tmp)
-    assert ensure_private_dir("images/a") == str(tmp / "images" / "a")
-    assert stat.S_IMODE((tmp / "images").stat().st_mode) == 0o700
+    private_dirs_under_umask(tmp, umask, monkeypatch)
 
 
 def test_make_private_dir_refuses_a_symlink(tmp: Path) -> None:
