@@ -20,7 +20,9 @@ ZSH = "/usr/bin/zsh"
 DRIVE_S = 180
 
 # the interactive zsh's startup: compinit, the script as the help says to load it, then a compadd
-# that records each offer (one file per case: the driver names it in $SG_CASE)
+# that records each offer (one file per case: the driver names it in $SG_CASE), and a precmd that
+# holds each prompt back a little, as a loaded machine does, so a driver that writes before zle
+# reads again loses its typed case here every time (see DRIVER)
 ZSHRC = """\
 autoload -U compinit && compinit -u -d "$ZDOTDIR/.zcompdump"
 {load}
@@ -31,11 +33,15 @@ compadd () {{
   builtin compadd "$@"
 }}
 print -r -- "comps=${{_comps[snapguard]-none}}" > "$ZDOTDIR/comps"
+precmd () {{ sleep 0.1 }}
 PS1='sg-ready> '
 """
 
 # the driver: each case is typed with a TAB, then the line is cleared and a command run whose
-# output (sg-case-N-done, never in the typed text) says that the completion has ended
+# output (sg-case-N-done, never in the typed text) says that the completion has ended. Every read
+# runs up to the prompt that follows, so the next bytes are written only once zle is reading again:
+# written while zsh still runs a command, they meet the terminal in cooked mode, where the ^U that
+# clears the line is the tty's kill character and erases the typed case, TAB and all
 DRIVER = """\
 zmodload zsh/zpty
 zpty sg env ZDOTDIR="$1" TERM=dumb HOME="$1" {zsh} -i
@@ -47,7 +53,7 @@ for typed in "${{@:2}}"; do
   zpty -r sg line '*sg-ready> '
   zpty -w -n sg "$typed"$'\\t'
   zpty -w sg $'\\x15'"print -r -- sg-case-\\$((0 + $n))-done"
-  zpty -r sg line "*sg-case-$n-done*"
+  zpty -r sg line "*sg-case-$n-done*sg-ready> "
 done
 zpty -d sg
 """
