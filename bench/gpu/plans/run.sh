@@ -14,7 +14,7 @@ export R=/root/runs/$name
 mkdir -p "$R"
 { git rev-parse HEAD; git status --short; } > "$R/commit.txt" 2>&1
 { uname -r; grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled
-  findmnt -no TARGET,FSTYPE,OPTIONS /run/snapguard-spill /dev/shm / ; nproc; free -g; } > "$R/host.txt" 2>&1
+  grep -E ' (/|/run|/run/snapguard|/run/snapguard-spill|/dev/shm|/var/tmp) ' /proc/mounts; nproc; free -g; } > "$R/host.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
 while read -r secs cmd; do
   case "$secs" in ''|'#'*) continue;; esac
