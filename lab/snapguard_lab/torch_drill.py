@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,9 +250,12 @@ def _snapshot(run: Trainer, pid: int, base: Path, config: Config, ref: Trainer, 
 
 def file_checkpoint_run(base: Path, ref: Trainer, ref_result: dict[str, Any], *, steps: int, at: int,
                         prefix: str = "", extra: tuple[str, ...] = (), save_env: dict[str, str] | None = None,
-                        resumes: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
+                        resumes: dict[str, dict[str, str]] | None = None,
+                        before_resume: Callable[[str], float] | None = None) -> list[dict[str, Any]]:
     """The baseline: a run that saves after step `at`, then one resume per entry of `resumes`
-    ({arm name: environment}); the first is the arm that carries the save's stall."""
+    ({arm name: environment}); the first is the arm that carries the save's stall. `before_resume`,
+    given an arm's name, runs just before that resume launches (a page cache drop: its seconds are
+    returned and kept as the row's `before_resume_s`, outside the resume's figures)."""
     path = base / f"{prefix}file-ckpt.pt"
     save = Trainer(base, f"{prefix}file-save", steps, extra=[*extra, "--save-at", str(at), "--save-path", str(path)],
                    env=save_env or {})
@@ -260,6 +264,7 @@ def file_checkpoint_run(base: Path, ref: Trainer, ref_result: dict[str, Any], *,
     saved = [line.split() for line in save.log.read_text().splitlines() if line.startswith("saved ")]
     rows: list[dict[str, Any]] = []
     for arm, env in (resumes or {f"{prefix}file-checkpoint": {}}).items():
+        before = before_resume(arm) if before_resume is not None else None
         resume = Trainer(base, f"{arm}-resume", steps, extra=[*extra, "--resume", str(path)], env=env)
         resume.start()
         result = resume.wait_done()
@@ -269,6 +274,8 @@ def file_checkpoint_run(base: Path, ref: Trainer, ref_result: dict[str, Any], *,
         cmp["bit_identical"] = not cmp["loss_mismatches"] and cmp["digests_equal"]
         row = {"arm": arm, "snapshot_at_step": at, "image_bytes": path.stat().st_size,
                "resume_to_first_new_step_s": first[2] - resume.launched_at, **cmp}
+        if before is not None:
+            row["before_resume_s"] = before
         if not rows:
             row["stall_s"] = float(saved[0][2])
         rows.append(row)
