@@ -59,6 +59,14 @@ def exe(name: str) -> str:
     sys.exit(f"reclaim.py: no {name} beside {sys.executable} or in /usr/local/bin")
 
 
+def timed_cli(profile: Path | None, name: str) -> list[str]:
+    """The argv head of a snapguard command on the notice's path: under cProfile when `profile` is a
+    directory (its NAME.prof there, read by `python3 -m pstats`), to see where a command's time goes."""
+    if profile is None:
+        return [exe("snapguard")]
+    return [sys.executable, "-m", "cProfile", "-o", str(profile / f"{name}.prof"), exe("snapguard")]
+
+
 def node_env(state: str) -> dict[str, str]:
     return {**os.environ, "SNAPGUARD_STATE_DIR": state}
 
@@ -144,6 +152,19 @@ def node_tmpfs(mounted: list[str]) -> None:
             mounted.append(d)
 
 
+def unmount(d: str, wait_s: float = 10.0) -> None:
+    """Unmount a node's tmpfs, given the processes of the last run a few seconds to let go of it."""
+    end = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(["umount", d], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return
+        if time.monotonic() > end:
+            print(f"reclaim: {d} left mounted: {out.stderr.strip()}", file=sys.stderr)
+            return
+        time.sleep(0.2)
+
+
 def drop_caches() -> float:
     t = time.monotonic()
     os.sync()
@@ -152,7 +173,8 @@ def drop_caches() -> float:
 
 
 def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, job: str, steps: int, at: int,
-            extra: list[str], gpu_env: dict[str, str], remap: bool, cold: bool) -> dict[str, Any]:
+            extra: list[str], gpu_env: dict[str, str], remap: bool, cold: bool,
+            profile: Path | None = None) -> dict[str, Any]:
     store_dir = base / f"store-{tag}"
     store_url = f"file://{store_dir}"
     for d in (NODE_A, NODE_B):
@@ -171,7 +193,7 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, j
         assert out.returncode == 0, out.stderr
         run.wait_step(at)
         t_notice = time.time()
-        out = subprocess.run([exe("snapguard"), "notice", "--reason", f"reclaim drill {tag}", "--lead", "30"],
+        out = subprocess.run([*timed_cli(profile, f"notice-{tag}"), "notice", "--reason", f"reclaim drill {tag}", "--lead", "30"],
                              env=node_env(NODE_A), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         uploaded = wait_event(NODE_A, "uploaded", 300)
@@ -181,7 +203,7 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, j
         last_before = run.rows()[-1][0]
         dropped = drop_caches() if cold else 0.0
         t_restore = time.time()
-        argv = [exe("snapguard"), "restore", "--store", store_url, "--job", job, "--json"]
+        argv = [*timed_cli(profile, f"restore-{tag}"), "restore", "--store", store_url, "--job", job, "--json"]
         if remap:
             argv += ["--device-map", "0=1"]
         rs = subprocess.run(argv, env=node_env(NODE_B), capture_output=True, text=True, timeout=300)
@@ -231,6 +253,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--at", type=int, default=100)
     ap.add_argument("--runs", default="warm,cold", help="warm, cold or both (default)")
+    ap.add_argument("--file-arms", default="warm,cold",
+                    help="the file path's starts: warm, cold, both (default) or none ('')")
+    ap.add_argument("--profile", action="store_true",
+                    help="run `snapguard notice` and `snapguard restore` under cProfile: NAME.prof beside OUT")
     ap.add_argument("--trainer-args", default="", help="extra train.py arguments (the CPU check: --device cpu ...)")
     ap.add_argument("--drop-grads", action="store_true",
                     help="the trainer's take point drops the stepped optimizer's gradients "
@@ -239,6 +265,9 @@ def main() -> int:
                     help="tmpfs (default): a tmpfs on each node's state directory where /run is not one")
     args = ap.parse_args()
     job, width, layers = parse_size(args.size)
+    args.file_arms = [k.strip() for k in args.file_arms.split(",") if k.strip()]
+    if unknown := [k for k in args.file_arms if k not in FILE_ARMS]:
+        sys.exit(f"reclaim.py: --file-arms: {', '.join(unknown)}: warm, cold or both")
     if os.geteuid() != 0:
         sys.exit("reclaim.py: run as root")
     facts = gpu_facts() or {}
@@ -259,7 +288,7 @@ def main() -> int:
         return _runs(args, job, facts, ngpu, remap, extra, gpu_env)
     finally:
         for d in mounted:
-            subprocess.run(["umount", d], timeout=60)
+            unmount(d)
 
 
 def ratios(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -291,16 +320,19 @@ def _runs(args: argparse.Namespace, job: str, facts: dict[str, Any], ngpu: int, 
     for tag in [t.strip() for t in args.runs.split(",") if t.strip()]:
         try:
             row = one_run(tag, BASE, ref, ref_result, job=job, steps=args.steps, at=args.at, extra=extra,
-                          gpu_env=gpu_env, remap=remap, cold=(tag == "cold"))
+                          gpu_env=gpu_env, remap=remap, cold=(tag == "cold"),
+                          profile=Path(args.out).resolve().parent if args.profile else None)
         except (RuntimeError, TimeoutError, AssertionError, OSError, subprocess.SubprocessError) as e:
             row = {"run": tag, "failed": True, "error": f"{type(e).__name__}: {e}"[-3000:]}
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
+    file_arms: list[str] = args.file_arms
     # the file path a user has today: saved on the notice, then a start from it, the page cache as
     # the machine has it and then dropped (the drop's own time kept apart, as the cold run's is)
     baseline = file_checkpoint_run(BASE, ref, ref_result, steps=args.steps, at=args.at, extra=tuple(extra),
-                                   save_env=gpu_env, resumes={arm: gpu_env for arm in FILE_ARMS.values()},
-                                   before_resume=lambda arm: drop_caches() if arm == FILE_ARMS["cold"] else 0.0)
+                                   save_env=gpu_env, resumes={FILE_ARMS[k]: gpu_env for k in file_arms},
+                                   before_resume=lambda arm: drop_caches() if arm == FILE_ARMS["cold"] else 0.0
+                                   ) if file_arms else []
     stall = next((b["stall_s"] for b in baseline if "stall_s" in b), 0.0)
     for b in baseline:
         b["page_cache"] = "cold (dropped before the start)" if b["arm"] == FILE_ARMS["cold"] else "warm"
