@@ -182,7 +182,8 @@ def one_run(tag: str, base: Path, ref: Trainer, ref_result: dict[str, Any], *, j
     os.makedirs(store_dir, mode=0o700)
     run = Trainer(base, f"reclaim-{tag}", steps, trimmed=True, extra=extra, env=gpu_env)
     pid = run.start(os.path.join(NODE_A, "take"))
-    agent = subprocess.Popen([exe("snapguard"), "agent", "--store", store_url, "--interval", "0.1",
+    # the agent as a node runs it: its default --interval (5 s); the inbox wakes it as a notice lands
+    agent = subprocess.Popen([exe("snapguard"), "agent", "--store", store_url,
                               "--images", os.path.join(NODE_A, "images")], env=node_env(NODE_A),
                              stdin=subprocess.DEVNULL, stdout=open(base / f"agent-{tag}.log", "wb"),
                              stderr=subprocess.STDOUT, start_new_session=True)

@@ -31,7 +31,8 @@ sources (--source, repeatable; default: local only):
               node.kubernetes.io/out-of-service, the AWS Node Termination Handler's), the
               kubelet's graceful shutdown, a --k8s-node-condition True, an opted-in pod's
               DisruptionTarget condition; a plain cordon only with --notice-on-cordon
-  local       the inbox `snapguard notice` writes to (always watched)
+  local       the inbox `snapguard notice` writes to (always watched; inotify wakes the agent as a
+              notice lands, with --interval as the fallback)
 
 Several sources run at once, each in its own thread: the first notice wins, and one reclaim seen
 by two sources snapshots each workload once. Every exchange with a source's peer has one deadline
@@ -86,7 +87,8 @@ def add_parser(sub: Any) -> None:
     ag.add_argument("--images", metavar="DIR", help="where images are written (default <state_dir>/agent/images; "
                                                       "the state dir is often tmpfs: give a disk for large images)")
     ag.add_argument("--interval", type=interval_seconds, default=5.0, metavar="S",
-                    help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice)")
+                    help="seconds between polls of each source, and each poll's bound (default 5, AWS's advice); "
+                         "the local inbox is also read as soon as a notice lands in it")
     ag.add_argument("--once", action="store_true", help="finish what a previous agent left, poll each source once, "
                                                          "act, exit")
     ag.add_argument("--host-checks-every", type=seconds_or_off, default=60.0, metavar="S",

@@ -343,7 +343,12 @@ class Agent:
             if n is not None and (n.id != last_id or src.name == "local"):  # the inbox file goes once handled
                 last_id = n.id
                 self._queue.put(n)
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - start)))
+            rest = max(0.0, self.interval_s - (time.monotonic() - start))
+            wait = getattr(src, "wait", None)  # the inbox wakes its poll as soon as an entry lands
+            if wait is not None:
+                wait(rest, self._stop)
+            else:
+                self._stop.wait(rest)
 
     def run(self, once: bool = False) -> int:
         self.lock()

@@ -294,3 +294,54 @@ def test_agent_flags_map_onto_the_sources(config: Config, token: str) -> None:
     assert srcs[1].notice_on_cordon and srcs[1].ca_file is None and srcs[1].base == "http://127.0.0.1:1"
     args = build_parser().parse_args(["agent", "--source", "kubernetes", "--k8s-node", "node-1"])
     assert not agent_cli._sources(args, config)[1].notice_on_cordon  # a cordon is not a notice by default
+
+
+def test_inbox_wait_ends_when_a_notice_lands_and_on_stop(tmp_path: Path, config: Config) -> None:
+    from snapguard.notice import post_notice
+
+    agent = Agent(config, [], interval_s=60, host_checks_every_s=None, log=lambda line: None)
+    src = Local(agent.inbox)
+    stop = threading.Event()
+    assert src.poll(soon()) is None and src.watch.armed
+    later(0.3, post_notice, config, "drain")
+    assert src.wait(60, stop)  # woken by the rename into the inbox, not by the 60 s
+    n = src.poll(soon())
+    assert n is not None and n.detail == "drain"
+    later(0.3, stop.set)
+    assert not src.wait(60, stop)  # the agent's stop ends it too
+    src.watch.close()
+    assert not src.watch.armed and not src.wait(0.05, threading.Event())  # unarmed: sleeps its timeout out
+
+
+def test_inbox_watch_survives_the_inbox_being_replaced(tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    src = Local(str(inbox))
+    assert src.poll(soon()) is None and src.watch.armed
+    inbox.rename(tmp_path / "old-inbox")
+    inbox.mkdir()
+    assert not src.wait(5, threading.Event())  # the old directory went: no notice, the watch let go
+    assert not src.watch.armed
+    assert src.poll(soon()) is None and src.watch.armed  # made again on the new directory
+    later(0.2, (inbox / "x.json").write_text, json.dumps({"id": "x", "reason": "r", "deadline": None}))
+    assert src.wait(60, threading.Event())
+
+
+def test_agent_acts_on_a_posted_notice_long_before_its_poll_interval(config: Config) -> None:
+    from snapguard.notice import post_notice
+
+    agent = Agent(config, [], interval_s=120, host_checks_every_s=None, log=lambda line: None)
+    agent.sources = [Local(agent.inbox)]
+    seen: list[str] = []
+    agent.handle = lambda n: (seen.append(n.detail), agent._stop.set())  # type: ignore[method-assign]
+    later(1.0, post_notice, config, "drain now")
+    timer = threading.Timer(60, agent._stop.set)  # a bound on the test alone
+    timer.start()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        agent.run()
+    finally:
+        timer.cancel()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert seen == ["drain now"]  # with a 120 s interval only the inbox's watch could have read it

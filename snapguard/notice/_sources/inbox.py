@@ -5,6 +5,10 @@ and must be a regular file with one link, root's when the agent is root, at most
 bytes, JSON of the inbox entry's schema. An entry refused on any of these is moved aside into
 `<inbox>/refused/` (so it is read once), recorded (`Refusals`: the agent journals it with its typed
 reason) and passed over: the next entry is still read.
+
+Between polls the agent waits on the inbox with inotify (`wait`, snapguard.notice._sources._dirwatch):
+an entry renamed into it ends the wait, so a posted notice is read at once, not a poll interval
+later.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import time
 
 from ...reasons import Reason, SnapguardError
 from ._base import Notice, Refusals, with_deadline
+from ._dirwatch import DirWatch
 from ._http import malformed, unavailable
 from ._parse import parse
 from ._schemas import INBOX_ENTRY
@@ -35,6 +41,11 @@ class Local(Refusals):
     def __init__(self, inbox: str) -> None:
         super().__init__()
         self.inbox = inbox
+        self.watch = DirWatch(inbox)
+
+    def wait(self, timeout: float, stop: threading.Event) -> bool:
+        """Until an entry lands in the inbox (True), `timeout` passes or `stop` is set (False)."""
+        return self.watch.wait(timeout, stop)
 
     def _read(self, path: str) -> bytes | None:
         """The entry's bytes; None when it went away; SnapguardError when it is refused."""
@@ -78,6 +89,7 @@ class Local(Refusals):
                 pass
 
     def poll(self, deadline: float) -> Notice | None:
+        self.watch.arm()  # before the listing: an entry that lands after it ends the next wait
         try:
             names = sorted(n for n in os.listdir(self.inbox) if n.endswith(".json"))
         except FileNotFoundError:
