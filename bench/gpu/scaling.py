@@ -457,7 +457,8 @@ class Bench:
             except (IndexError, ValueError, OSError):
                 edges = {}
             return {"pid": rs["pid"], "restore_timings": rs["timings"], "restore_marks": rs["criu_marks"],
-                    "restore_counts": rs.get("counts", {}), "restore_log_edges": edges,
+                    "restore_counts": rs.get("counts", {}), "restore_checks_s": rs.get("preflight_checks_s"),
+                    "restore_log_edges": edges,
                     "restore_log_head": lines[:12], "restore_log_tail": lines[-40:]}
 
         return self.snapshots(run, pid, label, "snapguard", {}, dump, restore)

@@ -323,6 +323,9 @@ def test_held_workload_is_verified_while_criu_restores_it_and_never_released_cor
         result = json.loads(out.stdout)
         timings = result["timings"]
         assert "verify_s" in timings and 0 < timings["criu_s"] <= timings["restore_s"], timings
+        checks = result["preflight_checks_s"]  # where the restore's preflight went, check by check
+        assert {"pid-conflicts", "children"} <= set(checks) and all(v >= 0 for v in checks.values()), checks
+        assert sum(checks.values()) <= timings["preflight_s"], (checks, timings)
         assert "read_ahead_files" not in result.get("counts", {}) and "read_ahead_s" not in timings, result  # switched off
 
 
