@@ -159,3 +159,25 @@ def test_bash_completion_completes_commands_flags_and_paths(tmp_path: Path) -> N
     zsh = subprocess.run([os.path.join(BIN, "snapguard"), "completion", "zsh"], capture_output=True, text=True,
                          timeout=60).stdout
     assert zsh.startswith("autoload -U +X bashcompinit && bashcompinit\n") and "complete -F _snapguard" in zsh
+
+
+@pytest.mark.parametrize("argv, absent", [
+    (["notice", "--help"], ("snapguard.notice._agent", "snapguard.install", "snapguard.webhook", "snapguard.pipeline")),
+    (["reasons", "--help"], ("snapguard.notice", "snapguard.install", "snapguard.webhook", "snapguard.pipeline")),
+    (["restore", "--help"], ("snapguard.notice", "snapguard.install", "snapguard.webhook")),
+])
+def test_a_command_loads_only_its_own_modules(argv: list[str], absent: tuple[str, ...]) -> None:
+    """main() builds the parser of the command it is asked for alone: a command's start is its own
+    imports, not every command's (the agent's sources, the installer, the webhook)."""
+    code = ("import sys\nfrom snapguard.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({absent!r})), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(f"usage: snapguard {argv[0]}"), out.stdout[:200] + out.stderr[-2000:]
+    assert out.stderr.strip() == "[]", out.stderr[-2000:]
+
+
+def test_the_whole_parser_answers_what_names_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and all(name in out for name in cli.COMMANDS if name != "drill")
+    code, _, err = run_cli(capsys, "notic")  # mistyped: the whole parser's error, every choice listed
+    assert code == 2 and "invalid choice" in err and "notice" in err, err
