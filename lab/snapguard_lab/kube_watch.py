@@ -47,7 +47,8 @@ class KubeWatchApi(LoopbackHttp):
         self.nodes: dict[str, dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[str] = []
-        self.bad_event: bytes | None = None
+        self.bad_event: bytes | None = None  # sent once, by the newest watch (an older one's client may be gone)
+        self.watches = 0
         super().__init__(tls)  # snapguard_lab.loopback_http: no client knows its url before it returns
         self.put_node(node)
 
@@ -168,6 +169,9 @@ class KubeWatchApi(LoopbackHttp):
             h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             h.wfile.flush()
 
+        with self.cond:
+            self.watches += 1
+            mine = self.watches
         try:
             if since < self.compacted:
                 send({"type": "ERROR", "object": _status(410, "Expired", f"too old resource version: {since} "
@@ -180,7 +184,9 @@ class KubeWatchApi(LoopbackHttp):
             while time.monotonic() < end and not self.closed:
                 with self.cond:
                     new = [(rv, t, o) for rv, k, t, o in self.events if k == kind and rv > since and ok(o)]
-                    bad, self.bad_event = self.bad_event, None
+                    bad = None
+                    if mine == self.watches:
+                        bad, self.bad_event = self.bad_event, None
                     if not new and bad is None:
                         self.cond.wait(min(0.2, max(0.0, end - time.monotonic())))
                         continue
