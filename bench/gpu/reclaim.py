@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapguard import procfs
 from snapguard.config import load
 from snapguard.preflight.gpu import gpu_facts
 from snapguard_lab.torch_drill import Trainer, compare, file_checkpoint_run
@@ -100,24 +101,22 @@ def gpu_of(pid: int) -> int | None:
 
 
 def mount_of(path: str) -> tuple[str, str]:
-    """(mount point, file system type) of the mount `path` is on, from /proc/self/mounts (the lent
-    machines have no findmnt): the last-mounted of the longest mount points above it."""
-    real = os.path.realpath(path)
-    best = ("?", "?")
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) < 3:
-                continue
-            target = fields[1].encode().decode("unicode_escape")  # octal escapes: \040 for a space
-            inside = real == target or real.startswith(target.rstrip("/") + "/")
-            if inside and len(target) >= len(best[0] if best[0] != "?" else ""):
-                best = (target, fields[2])
-    return best
+    """(mount point, file system type) of the mount `path` is on (snapguard.procfs reads mountinfo:
+    the lent machines have no findmnt), ("?", "?") when that cannot be told."""
+    m = procfs.mount_of(os.path.realpath(path))
+    return (m["mount_point"], m["fstype"]) if m else ("?", "?")
 
 
 def fstype(path: str) -> str:
     return mount_of(path)[1]
+
+
+def file_arms(text: str) -> list[str]:
+    """--file-arms: a comma-separated list of FILE_ARMS' keys, or none."""
+    arms = [k.strip() for k in text.split(",") if k.strip()]
+    if unknown := [k for k in arms if k not in FILE_ARMS]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: warm, cold or both")
+    return arms
 
 
 def parse_size(text: str) -> tuple[str, int, int]:
@@ -254,7 +253,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--at", type=int, default=100)
     ap.add_argument("--runs", default="warm,cold", help="warm, cold or both (default)")
-    ap.add_argument("--file-arms", default="warm,cold",
+    ap.add_argument("--file-arms", type=file_arms, default="warm,cold",
                     help="the file path's starts: warm, cold, both (default) or none ('')")
     ap.add_argument("--profile", action="store_true",
                     help="run `snapguard notice` and `snapguard restore` under cProfile: NAME.prof beside OUT")
@@ -266,9 +265,6 @@ def main() -> int:
                     help="tmpfs (default): a tmpfs on each node's state directory where /run is not one")
     args = ap.parse_args()
     job, width, layers = parse_size(args.size)
-    args.file_arms = [k.strip() for k in args.file_arms.split(",") if k.strip()]
-    if unknown := [k for k in args.file_arms if k not in FILE_ARMS]:
-        sys.exit(f"reclaim.py: --file-arms: {', '.join(unknown)}: warm, cold or both")
     if os.geteuid() != 0:
         sys.exit("reclaim.py: run as root")
     facts = gpu_facts() or {}
@@ -327,13 +323,12 @@ def _runs(args: argparse.Namespace, job: str, facts: dict[str, Any], ngpu: int, 
             row = {"run": tag, "failed": True, "error": f"{type(e).__name__}: {e}"[-3000:]}
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
-    file_arms: list[str] = args.file_arms
     # the file path a user has today: saved on the notice, then a start from it, the page cache as
     # the machine has it and then dropped (the drop's own time kept apart, as the cold run's is)
     baseline = file_checkpoint_run(BASE, ref, ref_result, steps=args.steps, at=args.at, extra=tuple(extra),
-                                   save_env=gpu_env, resumes={FILE_ARMS[k]: gpu_env for k in file_arms},
+                                   save_env=gpu_env, resumes={FILE_ARMS[k]: gpu_env for k in args.file_arms},
                                    before_resume=lambda arm: drop_caches() if arm == FILE_ARMS["cold"] else 0.0
-                                   ) if file_arms else []
+                                   ) if args.file_arms else []
     stall = next((b["stall_s"] for b in baseline if "stall_s" in b), 0.0)
     for b in baseline:
         b["page_cache"] = "cold (dropped before the start)" if b["arm"] == FILE_ARMS["cold"] else "warm"
