@@ -98,10 +98,9 @@ def _preflight(runner: Runner, req: Request, config: Config, steps: Steps,
             report.run("container-mounts", lambda: preflight.check_container_mounts(
                 pid, runner.runc, runner.root, runner.container_id))
         report.raise_blockers()
-        reused = {id(r[2]) for r in ahead.results} if ahead is not None else set()
         return _Target(pid, tree, inv, report, own_netns, conns, network_lock, found, spill,
                        [p.pid for p in inv.cuda_processes()],
-                       {c.name: round(c.duration_s, 6) for c in report.checks if id(c) not in reused})
+                       report.check_seconds(ahead.check_results if ahead is not None else ()))
 
 
 def _image_dir(req: Request, steps: Steps) -> None:

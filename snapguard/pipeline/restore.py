@@ -312,7 +312,6 @@ def restore(runner: Runner, req: Request, config: Config, *,
         steps.timings["host_checks_s"] = host_checks.seconds
         steps.timings["host_checks_wait_s"] = host_checks.waited_s
     checked = _preflight(runner, req, config, steps, host_checks)
-    reused = {id(r[2]) for r in host_checks.results} if host_checks is not None else set()
     report, manifest, devices = checked.report, checked.inspected.manifest, checked.devices
     options = criu.CriuOptions(images_dir=req.image_dir, work_dir=req.work_dir, libdir=config.criu_libdir,
                                timeout_s=req.timeouts.criu_s, tcp_established=req.tcp_established,
@@ -340,7 +339,7 @@ def restore(runner: Runner, req: Request, config: Config, *,
         "operation": "restore", **runner.identity(), "pid": pid, "image": req.image_dir, "cuda_states": states,
         "device_map": list(devices.pairs) if devices else None, "image_epoch": manifest.epoch,
         "image_bytes": manifest.image_bytes,
-        # where preflight_s went: each check run now, seconds (those reused from `host_checks` left out)
-        "preflight_checks_s": {c.name: round(c.duration_s, 6) for c in report.checks if id(c) not in reused},
+        # where preflight_s went: each check run now (those reused from `host_checks` left out)
+        "preflight_checks_s": report.check_seconds(host_checks.check_results if host_checks is not None else ()),
         "warnings": [w.to_dict() for w in report.warnings],
     }, log)

@@ -71,6 +71,11 @@ class HostChecks:
     waited_s: float = 0.0
     started: float = 0.0  # time.monotonic() when they began: their age is measured from it
 
+    @property
+    def check_results(self) -> tuple[CheckResult, ...]:
+        """The results these checks gave, each as a report that reuses it holds it."""
+        return tuple(r for _, _, r, _ in self.results)
+
     def made_under(self, config: Config) -> bool:
         """Whether they ran under this config (results of another are never reused)."""
         return self.config == config.as_dict()

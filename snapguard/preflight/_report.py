@@ -250,6 +250,12 @@ class Report:
         return {**({"manifest": self.image.manifest.to_json()} if self.image is not None else {}),
                 **self.host.to_dict(), **({"processes": self.processes} if self.processes is not None else {})}
 
+    def check_seconds(self, reused: tuple[CheckResult, ...] = ()) -> dict[str, float]:
+        """Each check's seconds, by name: where a preflight's time went. `reused`: results taken
+        from host checks run ahead (`HostChecks.check_results`), left out: they took no time here."""
+        ahead = {id(c) for c in reused}
+        return {c.name: round(c.duration_s, 6) for c in self.checks if id(c) not in ahead}
+
     def raise_blockers(self) -> None:
         """Refuse with the first blocker (the others travel as evidence), or when a check could
         not run: an unknown is not a go."""
