@@ -23,15 +23,16 @@ from ._base import EXIT_USAGE, Parser, exit_code
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "command", "main"]
 
-# Each command and its module in this package, in the order `snapguard --help` lists them.
-COMMANDS = {name: name for name in (
-    "preflight", "checkpoint", "restore", "reasons", "drill", "plan", "install", "metrics", "push", "pull", "prune",
-    "images", "inspect", "agent", "notice", "protect", "webhook", "completion")}
+# Each command, the name of its module in this package, in the order `snapguard --help` lists them.
+COMMANDS = ("preflight", "checkpoint", "restore", "reasons", "drill", "plan", "install", "metrics", "push", "pull",
+            "prune", "images", "inspect", "agent", "notice", "protect", "webhook", "completion")
 
 
 def command(name: str) -> ModuleType:
     """The module of the command `name` (one of COMMANDS), imported."""
-    return importlib.import_module(f"{__name__}.{COMMANDS[name]}")
+    if name not in COMMANDS:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
