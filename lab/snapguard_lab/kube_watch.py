@@ -47,10 +47,23 @@ class KubeWatchApi(LoopbackHttp):
         self.nodes: dict[str, dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[str] = []
-        self.bad_event: bytes | None = None  # sent once, by the newest watch (an older one's client may be gone)
-        self.watches = 0
+        self.watches = 0  # watch requests so far
+        self._bad: bytes | None = None
+        self._bad_after = 0
         super().__init__(tls)  # snapguard_lab.loopback_http: no client knows its url before it returns
         self.put_node(node)
+
+    @property
+    def bad_event(self) -> bytes | None:
+        """Raw bytes sent once as a watch event, by the first watch that starts after they are set:
+        a watch begun before may be one whose client already left at the end of its window, and
+        bytes written to it would be lost."""
+        return self._bad
+
+    @bad_event.setter
+    def bad_event(self, data: bytes | None) -> None:
+        with self.cond:
+            self._bad, self._bad_after = data, self.watches
 
     def _request(self, h: Any, method: str) -> None:
         self.requests.append(h.path)
@@ -185,8 +198,8 @@ class KubeWatchApi(LoopbackHttp):
                 with self.cond:
                     new = [(rv, t, o) for rv, k, t, o in self.events if k == kind and rv > since and ok(o)]
                     bad = None
-                    if mine == self.watches:
-                        bad, self.bad_event = self.bad_event, None
+                    if mine > self._bad_after:
+                        bad, self._bad = self._bad, None
                     if not new and bad is None:
                         self.cond.wait(min(0.2, max(0.0, end - time.monotonic())))
                         continue
