@@ -18,22 +18,73 @@ namespaces this process made, traffic never leaves the machine, and no private (
 192.168/16) or public address is used. 169.254.169.254 (cloud metadata) is avoided.
 Each node gets its own state and image directories from the test, not from here: only the
 network is per node (mount, pid and user namespaces are the host's, as on a real node).
+
+A set is recorded in RECORDS (its maker's pid and start time, its bridge and namespaces) before
+anything is made and forgotten once all of it is removed. A run killed in between leaves its
+record: the next set made sweeps every recorded set whose maker no longer runs (its namespaces,
+which take their veth pairs with them, and its bridge), so stale links do not pile up run after run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import secrets
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Nodes", "free_subnet"]
+from snapguard.procfs import running_start_ticks
+
+__all__ = ["RECORDS", "Nodes", "free_subnet", "sweep_stale"]
 
 PREFIX = 24
 _LOCK = "/run/snapguard-lab-netns.lock"  # held while a set picks its subnet and puts it on its bridge
+RECORDS = "/run/snapguard-lab-netns"  # one JSON record per set made and not yet removed
+
+
+def _remove(bridge: str, namespaces: list[str]) -> None:
+    """A set's namespaces (removing one removes its veth end, and so the pair), then its bridge."""
+    from pyroute2 import IPRoute, netns
+
+    for ns in reversed(namespaces):
+        try:
+            netns.remove(ns)
+        except OSError:
+            pass
+    if bridge:
+        with IPRoute() as ip:
+            found = ip.link_lookup(ifname=bridge)
+            if found:
+                ip.link("del", index=found[0])
+
+
+def sweep_stale(records: str = RECORDS) -> list[str]:
+    """Remove every recorded set whose maker no longer runs (a killed run's); the tags swept.
+    Called with the subnet lock held, as a set is made."""
+    swept: list[str] = []
+    try:
+        names = sorted(os.listdir(records))
+    except FileNotFoundError:
+        return swept
+    for name in names:
+        path = os.path.join(records, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                rec: dict[str, Any] = json.load(f)
+            pid, start = int(rec["pid"]), int(rec["start"])
+            bridge, namespaces = str(rec["bridge"]), [str(n) for n in rec["namespaces"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a record of ours, or half written: left alone
+        if running_start_ticks(pid) == start:
+            continue  # its maker still runs: its set is in use
+        _remove(bridge, namespaces)
+        os.unlink(path)
+        swept.append(name.removesuffix(".json"))
+    return swept
 
 
 def _taken() -> set[str]:
@@ -83,8 +134,21 @@ class Nodes:
     def ns(self, name: str) -> str:
         return f"sg-{self.tag}-{name}"
 
+    def _record(self) -> str:
+        return os.path.join(RECORDS, f"{self.tag}.json")
+
+    def _write_record(self) -> None:
+        os.makedirs(RECORDS, mode=0o700, exist_ok=True)
+        rec = {"pid": os.getpid(), "start": running_start_ticks(os.getpid()), "bridge": self.bridge,
+               "namespaces": [self.ns(n) for n in self.names]}
+        tmp = self._record() + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self._record())
+
     def __enter__(self) -> Nodes:
         with _subnet_lock():
+            sweep_stale()
             if not self.subnet:
                 self.subnet = free_subnet()
             elif self.subnet in _taken():
@@ -101,6 +165,7 @@ class Nodes:
             raise ValueError(f"subnet must be 169.254.N (N 1..254, not 169), got {self.subnet!r}")
 
         self.bridge = f"sgbr{self.tag}"[:15]
+        self._write_record()
         try:
             with IPRoute() as ip:
                 ip.link("add", ifname=self.bridge, kind="bridge")
@@ -144,19 +209,11 @@ class Nodes:
         return join
 
     def __exit__(self, *exc: object) -> None:
-        from pyroute2 import IPRoute, netns
-
-        for ns in reversed(self._made):  # removing a namespace removes its veth end, and so the pair
-            try:
-                netns.remove(ns)
-            except OSError:
-                pass
+        _remove(self.bridge, self._made)
         self._made.clear()
         if self.bridge:
-            with IPRoute() as ip:
-                found = ip.link_lookup(ifname=self.bridge)
-                if found:
-                    ip.link("del", index=found[0])
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._record())
 
 
 def _setns(fd: int) -> None:
