@@ -251,12 +251,13 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
                                    timeout_s=req.timeouts.criu_s, leave_running=req.leave_running,
                                    tcp_established=req.tcp_established, network_lock=t.network_lock)
         cuda = stack.enter_context(scopes.suspended(t.cuda_pids, req.timeouts.criu_s, steps))
-        # A stop snapshot's page files are hashed while CRIU writes them. Not a leave-running
+        # A stop snapshot's page files (and its spill copies) are hashed while written. Not a leave-running
         # one's: its seal comes after the stall, and the hashing takes cores and memory bandwidth
         # from CRIU (on two cores CRIU's run took 4.56 s against 3.95,
         # bench/results/hash-while-dumping-*) and from the CUDA resume, both inside the stall.
-        hasher = stack.enter_context(scopes.page_file_hasher(req.image_dir, config, steps,
-                                                             on=not req.leave_running))
+        hasher = stack.enter_context(scopes.page_file_hasher(
+            req.image_dir, config, steps, on=not req.leave_running,
+            fresh=frozenset(c.name for c in hold.copies.copies.values())))
         rc, failure = _dump(runner, req, config, steps, t, options)
         _after_dump(runner, req, steps, t, hold, cuda, rc, failure, warnings, log)
         manifest = _seal(req, runner, steps, t, hold, hasher, warnings)

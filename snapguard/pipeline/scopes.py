@@ -132,17 +132,18 @@ def suspended(pids: list[int], lock_timeout_s: float, steps: Steps) -> Iterator[
 
 
 @contextmanager
-def page_file_hasher(image_dir: str, config: Config, steps: Steps,
-                     on: bool = True) -> Iterator[image.PageFileHasher | None]:
+def page_file_hasher(image_dir: str, config: Config, steps: Steps, on: bool = True,
+                     fresh: frozenset[str] = frozenset()) -> Iterator[image.PageFileHasher | None]:
     """The page files' hasher for a stop snapshot's dump (config `hash_while_dumping`), with a
     thread of its own for every four cores, at most three (on the H200 CRIU writes 2-3 GB/s and
     the seal hashed 0.7-0.9 GB/s a thread: three keep most of the pace and leave CRIU its cores;
     spans still queued at the seal go to its own pool). None when it is off or cannot start (the
-    seal hashes all). On the way out it is finished: its threads end and its files close."""
+    seal hashes all). `fresh`: the spill copies' names, hashed as they are written too. On the way
+    out it is finished: its threads end and its files close."""
     hasher = None
     if on and config.hash_while_dumping:
         try:
-            hasher = image.PageFileHasher(image_dir, threads=min(3, max(1, (os.cpu_count() or 1) // 4)))
+            hasher = image.PageFileHasher(image_dir, threads=min(3, max(1, (os.cpu_count() or 1) // 4)), fresh=fresh)
         except (OSError, RuntimeError):  # RuntimeError: no thread could start
             steps.counts["span_hasher_unavailable"] = 1
     try:

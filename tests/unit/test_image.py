@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from snapguard import image
+from snapguard import image, names
 from snapguard.procfs import host_facts
 from snapguard.reasons import Reason, Severity, SnapguardError
 from tests.trusted import image_fields, sealed_image
@@ -499,6 +499,34 @@ def test_spans_hashed_while_written_give_the_seal_its_digests(tmp_path: Path, sm
     manifest = image.seal(str(d), image_fields(), known)
     assert image.verify(str(d)).to_json()["files"] == manifest["files"]
     assert image.seal(str(d), image_fields())["files"] == manifest["files"]
+
+
+def test_a_spill_copy_is_hashed_while_written_though_made_before_the_hasher(tmp_path: Path, small_spans: int) -> None:
+    """The take point's spill copy is created (O_EXCL, empty) before a stop snapshot's hasher starts
+    and written front to back beside CRIU: named `fresh`, its spans are hashed as they land, and
+    the manifest is what a seal from scratch writes. Another file that is no page file and not
+    named is left to the seal."""
+    d = tmp_path / "img"
+    d.mkdir(mode=0o700)
+    name = names.take_spill_name(4242)
+    fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    (d / "other.bin").write_bytes(os.urandom(small_spans * 2))
+    hasher = image.PageFileHasher(str(d), threads=2, fresh=frozenset({name}))
+    try:
+        data = os.urandom(small_spans * 5 + 7)
+        for i in range(0, len(data), 3000):
+            os.write(fd, data[i:i + 3000])
+    finally:
+        os.close(fd)
+    _wait_for(lambda: hasher.done_spans() == 5)
+    time.sleep(0.1)  # polls enough to have taken other.bin, were it to
+    known = hasher.finish()
+    assert set(known) == {name} and sorted(known[name][1]) == list(range(5))
+    manifest = image.seal(str(d), image_fields(), known)
+    assert image.verify(str(d)).to_json()["files"] == manifest["files"]
+    assert image.seal(str(d), image_fields())["files"] == manifest["files"]
+    # without the name, the same file is the seal's alone
+    assert image.PageFileHasher(str(d), threads=1).finish() == {}
 
 
 def test_a_page_file_there_before_the_dump_is_hashed_by_the_seal_alone(tmp_path: Path, small_spans: int) -> None:
