@@ -10,6 +10,9 @@ dump (--pid), whether a mapping still starts where the VMA did in it: a VMA that
 while the process was suspended holds what the CUDA plugin's checkpoint put in host memory (the
 device's bytes, copied out by the driver), since the process runs no code of its own in that time.
 Mapped file paths come from /proc/PID/maps of the live process where the range matches.
+Each kind's `zero_page_bytes_by_kind` too: its dumped pages that hold only zeros (read from the
+pages files, which hold each pagemap's present pages in its order): what a sparse image, or a
+transfer that skips them, would not carry.
 
     python3 bench/gpu/image_parts.py IMAGE_DIR [--pid PID] [--top 12]     # JSON on stdout
 """
@@ -89,6 +92,27 @@ def vmas(image_dir: str, pid: int) -> list[dict[str, int]]:
     return out
 
 
+def pages_id(image_dir: str, pid: int | str) -> int:
+    """The N of the pages-N.img that pagemap-PID.img's present pages are in (its pagemap_head)."""
+    return int(decode(entries(os.path.join(image_dir, f"pagemap-{pid}.img"))[0])[1][0])
+
+
+ZERO_PAGE = bytes(PAGE)
+
+
+def zero_bytes(f: Any, offset: int, length: int) -> int:
+    """Bytes of the all-zero pages among `length` bytes of the open pages file `f` at `offset`."""
+    zeros, done = 0, 0
+    while done < length:
+        chunk = os.pread(f.fileno(), min(64 << 20, length - done), offset + done)
+        if not chunk:
+            break
+        mv = memoryview(chunk)
+        zeros += sum(PAGE for i in range(0, len(chunk) - PAGE + 1, PAGE) if mv[i:i + PAGE] == ZERO_PAGE)
+        done += len(chunk)
+    return zeros
+
+
 def present_pages(image_dir: str, pid: int | str) -> list[tuple[int, int]]:
     """(vaddr, pages) of every entry of pagemap-PID.img (or pagemap-shmem-ID.img, `pid` "shmem-ID")
     whose pages are in this image's pages files."""
@@ -141,21 +165,29 @@ def account(image_dir: str, live_pid: int | None = None, top: int = 12) -> dict[
             shared.append(m.group(1))
     maps = live_maps(live_pid) if live_pid else {}
     by_kind: dict[str, int] = {}
+    zeros_by_kind: dict[str, int] = {}
+    offsets: dict[int, int] = {}  # pages-N.img: how far its pages are accounted
     rows = []
     for pid in sorted(pids):
         areas = sorted(vmas(image_dir, pid), key=lambda v: v["start"])
         counted = {i: 0 for i in range(len(areas))}
+        zeros = {i: 0 for i in range(len(areas))}
         starts = [v["start"] for v in areas]
-
-        for vaddr, n in present_pages(image_dir, pid):
-            lo, hi = vaddr, vaddr + n * PAGE
-            i = max(0, bisect.bisect_right(starts, lo) - 1)
-            while lo < hi and i < len(areas):  # an entry may span adjacent VMAs
-                a = areas[i]
-                part = max(0, min(hi, a["end"]) - max(lo, a["start"]))
-                counted[i] += part
-                lo = max(lo, min(hi, a["end"]))
-                i += 1
+        pid_pages = pages_id(image_dir, pid)
+        with open(os.path.join(image_dir, f"pages-{pid_pages}.img"), "rb") as f:
+            for vaddr, n in present_pages(image_dir, pid):
+                at = offsets.get(pid_pages, 0)  # the entry's first page in the pages file
+                lo, hi = vaddr, vaddr + n * PAGE
+                i = max(0, bisect.bisect_right(starts, lo) - 1)
+                while lo < hi and i < len(areas):  # an entry may span adjacent VMAs
+                    a = areas[i]
+                    part = max(0, min(hi, a["end"]) - max(lo, a["start"]))
+                    counted[i] += part
+                    if part:
+                        zeros[i] += zero_bytes(f, at + max(lo, a["start"]) - vaddr, part)
+                    lo = max(lo, min(hi, a["end"]))
+                    i += 1
+                offsets[pid_pages] = at + n * PAGE
         for i, a in enumerate(areas):
             if not counted[i]:
                 continue
@@ -163,18 +195,26 @@ def account(image_dir: str, live_pid: int | None = None, top: int = 12) -> dict[
             still = a["start"] in maps if live_pid else None  # by start: the heap's end moves
             label = k if still is not False else f"{k}, gone after the dump"
             by_kind[label] = by_kind.get(label, 0) + counted[i]
+            zeros_by_kind[label] = zeros_by_kind.get(label, 0) + zeros[i]
             rows.append({"pid": pid, "start": hex(a["start"]), "size": a["end"] - a["start"], "dumped": counted[i],
-                         "kind": k, "mapped_after": still, "path": maps.get(a["start"])})
+                         "zero": zeros[i], "kind": k, "mapped_after": still, "path": maps.get(a["start"])})
     for sid in shared:  # shared anonymous memory: its pages once, not per process that maps it
         n = sum(pages for _, pages in present_pages(image_dir, sid)) * PAGE
         if n:
+            sid_pages = pages_id(image_dir, sid)
+            with open(os.path.join(image_dir, f"pages-{sid_pages}.img"), "rb") as f:
+                z = zero_bytes(f, offsets.get(sid_pages, 0), n)
+            offsets[sid_pages] = offsets.get(sid_pages, 0) + n
             by_kind["anon shared (shmem)"] = by_kind.get("anon shared (shmem)", 0) + n
-            rows.append({"shmem": sid, "dumped": n, "kind": "anon shared (shmem)"})
+            zeros_by_kind["anon shared (shmem)"] = zeros_by_kind.get("anon shared (shmem)", 0) + z
+            rows.append({"shmem": sid, "dumped": n, "zero": z, "kind": "anon shared (shmem)"})
     rows.sort(key=lambda r: -r["dumped"])
     dumped = sum(by_kind.values())
     return {"image": image_dir, "files_bytes": files, "total_bytes": sum(files.values()),
             "dumped_page_bytes": dumped, "pages_file_matches": dumped == files["pages"],
             "pages_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "zero_page_bytes": sum(zeros_by_kind.values()),
+            "zero_page_bytes_by_kind": {k: zeros_by_kind.get(k, 0) for k in sorted(by_kind, key=lambda k: -by_kind[k])},
             "vmas_dumped": len(rows), "largest_vmas": rows[:top]}
 
 

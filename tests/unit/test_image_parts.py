@@ -58,13 +58,20 @@ def test_pages_by_vma_kind_and_whether_still_mapped(tmp_path: Path) -> None:
         _msg((1, 0x7F1000001000), (2, 5), (4, 1)),                 # in the parent image: not here
     ])
     _image(tmp_path / "pagemap-shmem-7.img", [_msg((1, 2)), _msg((1, 0), (2, 2), (4, 4))])
-    (tmp_path / "pages-1.img").write_bytes(b"\0" * (3 + 2 + 16 + 1 + 2) * PAGE)
+    # the process's present pages in pagemap order (the zero ones: 2 heap, 2 + 8 anon), shared
+    # memory's in its own pages file (pagemap-shmem-7's pages_id 2), both zero
+    data = b"h" * PAGE + bytes(2 * PAGE) + bytes(2 * PAGE) + (b"a" * PAGE + bytes(PAGE)) * 8 + b"f" * PAGE
+    (tmp_path / "pages-1.img").write_bytes(data)
+    (tmp_path / "pages-2.img").write_bytes(bytes(2 * PAGE))
     (tmp_path / "snapguard-take-4242.bin").write_bytes(b"\0" * 10000)
     out = image_parts.account(str(tmp_path))
     assert out["pages_file_matches"] and out["dumped_page_bytes"] == 24 * PAGE
     assert out["pages_by_kind"] == {"anon private": 18 * PAGE, "heap": 3 * PAGE, "anon shared (shmem)": 2 * PAGE,
                                     "file private": PAGE}
     assert out["files_bytes"]["spill"] == 10000 and out["files_bytes"]["pages"] == 24 * PAGE
+    assert out["zero_page_bytes_by_kind"] == {"anon private": 10 * PAGE, "heap": 2 * PAGE,
+                                              "anon shared (shmem)": 2 * PAGE, "file private": 0}
+    assert out["zero_page_bytes"] == 14 * PAGE
     # against a live process: this test's own, where none of these addresses is mapped
     gone = image_parts.account(str(tmp_path), os.getpid())
     assert gone["pages_by_kind"]["anon private, gone after the dump"] == 18 * PAGE
