@@ -46,18 +46,25 @@ def render_header() -> str:
         f"#define SG_DEFAULT_PIN_PATH {_c_string(config.launcher_pin_path(config.DEFAULT_CONFIG_PATH))}",
         f"#define SG_PIN_HEADER {_c_string(config.LAUNCHER_PIN_HEADER)}",
         "",
-        "/* runc's commands: guarded (checkpoint, restore: snapguard's Python entry) or passed to runc */",
+        "/* runc's commands and their route: SG_VERB_GUARD (checkpoint, restore: snapguard's Python entry),",
+        " * SG_VERB_RUNC (passed to runc), SG_VERB_ENTRY (passed to runc by the Python entry, after a step of",
+        " * its own: resume) */",
+        "#define SG_VERB_RUNC 0",
+        "#define SG_VERB_GUARD 1",
+        "#define SG_VERB_ENTRY 2",
+        "",
         "struct sg_verb {",
         "\tconst char *name;",
-        "\tint guarded;",
+        "\tint route;",
         "};",
         "",
         "static const struct sg_verb sg_verbs[] = {",
     ]
     for verb, how in _argv.VERB_TABLE:
-        if how not in ("guard", "pass"):
+        routes = {"pass": "SG_VERB_RUNC", "guard": "SG_VERB_GUARD", "entry": "SG_VERB_ENTRY"}
+        if how not in routes:
             raise ValueError(f"VERB_TABLE: {verb!r} has an unknown route {how!r}")
-        lines.append(f"\t{{{_c_string(verb)}, {1 if how == 'guard' else 0}}},")
+        lines.append(f"\t{{{_c_string(verb)}, {routes[how]}}},")
     lines += [
         "};",
         "",

@@ -9,32 +9,38 @@
 #define SG_DEFAULT_PIN_PATH "/etc/snapguard/runc-launcher.pin"
 #define SG_PIN_HEADER "snapguard-runc-launcher 1"
 
-/* runc's commands: guarded (checkpoint, restore: snapguard's Python entry) or passed to runc */
+/* runc's commands and their route: SG_VERB_GUARD (checkpoint, restore: snapguard's Python entry),
+ * SG_VERB_RUNC (passed to runc), SG_VERB_ENTRY (passed to runc by the Python entry, after a step of
+ * its own: resume) */
+#define SG_VERB_RUNC 0
+#define SG_VERB_GUARD 1
+#define SG_VERB_ENTRY 2
+
 struct sg_verb {
 	const char *name;
-	int guarded;
+	int route;
 };
 
 static const struct sg_verb sg_verbs[] = {
-	{"checkpoint", 1},
-	{"create", 0},
-	{"delete", 0},
-	{"events", 0},
-	{"exec", 0},
-	{"kill", 0},
-	{"list", 0},
-	{"pause", 0},
-	{"ps", 0},
-	{"restore", 1},
-	{"resume", 0},
-	{"run", 0},
-	{"spec", 0},
-	{"start", 0},
-	{"state", 0},
-	{"update", 0},
-	{"features", 0},
-	{"help", 0},
-	{"h", 0},
+	{"checkpoint", SG_VERB_GUARD},
+	{"create", SG_VERB_RUNC},
+	{"delete", SG_VERB_RUNC},
+	{"events", SG_VERB_RUNC},
+	{"exec", SG_VERB_RUNC},
+	{"kill", SG_VERB_RUNC},
+	{"list", SG_VERB_RUNC},
+	{"pause", SG_VERB_RUNC},
+	{"ps", SG_VERB_RUNC},
+	{"restore", SG_VERB_GUARD},
+	{"resume", SG_VERB_ENTRY},
+	{"run", SG_VERB_RUNC},
+	{"spec", SG_VERB_RUNC},
+	{"start", SG_VERB_RUNC},
+	{"state", SG_VERB_RUNC},
+	{"update", SG_VERB_RUNC},
+	{"features", SG_VERB_RUNC},
+	{"help", SG_VERB_RUNC},
+	{"h", SG_VERB_RUNC},
 };
 
 /* runc's global flags, every name of each: takes_value (else a boolean), group (the flag: two

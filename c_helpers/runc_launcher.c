@@ -7,12 +7,13 @@
  * flag package; the verbs and flags come from runc_argv_table.h, generated from that module) and
  * execs, argv unchanged but argv[0]:
  *
- * - the real runc, where snapguard's Python entry would pass the command line through: runc
- *   would run a verb other than checkpoint and restore, or the verb is unclear and the command
- *   line names neither;
+ * - the real runc, where snapguard's Python entry would pass the command line through as it is:
+ *   runc would run a verb other than checkpoint, restore and resume, or the verb is unclear and
+ *   the command line names neither checkpoint nor restore;
  * - snapguard's Python entry (the snapguard-runc console script) for everything else: checkpoint,
- *   restore, command lines it must refuse with a typed reason, and the app's help (`--help`
- *   among runc's global flags: snapguard's part first, then runc's).
+ *   restore, resume (which the entry passes to runc once it has put back a pause that a killed
+ *   executor lifted), command lines it must refuse with a typed reason, and the app's help
+ *   (`--help` among runc's global flags: snapguard's part first, then runc's).
  *
  * Both paths come from the pinned file SG_PIN_PATH, which `snapguard install` writes and the
  * config loader keeps in sync with the config's `runc`:
@@ -132,7 +133,8 @@ static int split_global(int argc, char *const args[], int *help)
 	return i;
 }
 
-/* ROUTE_RUNC exactly where entry.decide(args) is ("pass", None). */
+/* ROUTE_RUNC exactly where entry.decide(args) is ("pass", None) and the verb is not one the Python
+ * entry passes on after a step of its own (SG_VERB_ENTRY: resume). */
 static enum route decide(int argc, char *const args[])
 {
 	int help;
@@ -140,12 +142,12 @@ static enum route decide(int argc, char *const args[])
 	if (verb >= 0 && verb < argc) {
 		for (size_t i = 0; i < N_TABLE(sg_verbs); i++)
 			if (strcmp(args[verb], sg_verbs[i].name) == 0)
-				return sg_verbs[i].guarded ? ROUTE_SNAPGUARD : ROUTE_RUNC;
+				return sg_verbs[i].route == SG_VERB_RUNC ? ROUTE_RUNC : ROUTE_SNAPGUARD;
 	}
 	/* runc would fail, or run no command or an unknown one: refused where a guarded verb is named */
 	for (int j = 0; j < argc; j++)
 		for (size_t i = 0; i < N_TABLE(sg_verbs); i++)
-			if (sg_verbs[i].guarded && strcmp(args[j], sg_verbs[i].name) == 0)
+			if (sg_verbs[i].route == SG_VERB_GUARD && strcmp(args[j], sg_verbs[i].name) == 0)
 				return ROUTE_SNAPGUARD;
 	return ROUTE_RUNC;
 }

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "ArgvError", "GlobalOptions", "SubcommandArgs", "VERB_TABLE", "GUARDED_VERBS", "PASS_THROUGH_VERBS",
+    "ArgvError", "GlobalOptions", "SubcommandArgs", "VERB_TABLE", "GUARDED_VERBS", "PASS_THROUGH_VERBS", "ENTRY_VERBS",
     "MAX_VALUE_BYTES", "one_line", "split_global", "parse_subcommand",
 ]
 
@@ -38,16 +38,20 @@ __all__ = [
 # written in another language must carry exactly this table (a test compares the two).
 # runc 1.1's commands (main.go, app.Commands; none has an alias or a short name) and urfave/cli's
 # built-in help command ("help", alias "h"). "guard": checkpoint and restore run through
-# snapguard's checks; "pass": runc is exec'd with argv unchanged. A verb not in the table (a
-# typo, or a command a later runc adds) is treated as "cannot tell": see the executor's decide().
+# snapguard's checks; "pass": runc is exec'd with argv unchanged; "entry": passed through as well,
+# but by the Python entry, which first does the verb's own step (resume: a pause that a killed
+# executor lifted is put back, snapguard.shim._resume), so a launcher sends it there and not to
+# runc. A verb not in the table (a typo, or a command a later runc adds) is treated as "cannot
+# tell": see the executor's decide().
 VERB_TABLE: tuple[tuple[str, str], ...] = (
     ("checkpoint", "guard"), ("create", "pass"), ("delete", "pass"), ("events", "pass"), ("exec", "pass"),
     ("kill", "pass"), ("list", "pass"), ("pause", "pass"), ("ps", "pass"), ("restore", "guard"),
-    ("resume", "pass"), ("run", "pass"), ("spec", "pass"), ("start", "pass"), ("state", "pass"),
+    ("resume", "entry"), ("run", "pass"), ("spec", "pass"), ("start", "pass"), ("state", "pass"),
     ("update", "pass"), ("features", "pass"), ("help", "pass"), ("h", "pass"),
 )
 GUARDED_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how == "guard")
-PASS_THROUGH_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how == "pass")
+PASS_THROUGH_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how in ("pass", "entry"))
+ENTRY_VERBS: tuple[str, ...] = tuple(verb for verb, how in VERB_TABLE if how == "entry")
 
 # Longer flag values are refused: PATH_MAX, and no flag of runc's wants more.
 MAX_VALUE_BYTES = 4096

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..config import ConfigError, pinned_runc
-from ._argv import GUARDED_VERBS, PASS_THROUGH_VERBS, ArgvError, GlobalOptions, one_line, split_global
+from ._argv import ENTRY_VERBS, GUARDED_VERBS, PASS_THROUGH_VERBS, ArgvError, GlobalOptions, one_line, split_global
 
 
 def decide(args: list[str]) -> tuple[str, GlobalOptions | str | None]:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         runc = pinned_runc()
     except ConfigError as e:
         return _fail(e.reason, str(e), args)
-    if "resume" in args:  # a pause a killed executor lifted goes back first (the rare verb pays)
+    if any(verb in args for verb in ENTRY_VERBS):  # resume: a pause a killed executor lifted goes back first
         from ._resume import before_resume
 
         before_resume(args)

@@ -102,8 +102,9 @@ def _state(out: subprocess.CompletedProcess[str]) -> dict[str, object]:
 
 
 def test_a_containers_life_goes_to_runc_and_checkpoint_to_snapguard(installed: Installed, bundle: Path) -> None:
-    """create, start, state, ps, kill, delete through the launcher run the real runc and never the
-    Python entry (here a marker script that would log its call); checkpoint goes to the entry."""
+    """create, start, state, ps, pause, kill, delete through the launcher run the real runc and never
+    the Python entry (here a marker script that would log its call); checkpoint and resume go to the
+    entry."""
     calls = installed.tmp / "entry-calls"
     marker = installed.tmp / "libexec" / "marker-entry"
     marker.write_text(MARKER_ENTRY.format(log=calls))
@@ -131,9 +132,18 @@ def test_a_containers_life_goes_to_runc_and_checkpoint_to_snapguard(installed: I
         out = installed.run("--bogus", "restore", "x")  # unclear, names restore: the entry refuses it
         assert out.returncode == 99
 
+        # pause goes to runc; resume to the entry, which puts back a pause a killed executor lifted
+        # before it passes the resume on (the marker entry only logs it: runc resumes it here)
+        assert installed.run(*via, "pause", cid).returncode == 0
+        assert _state(installed.run(*via, "state", cid))["status"] == "paused"
+        assert len(calls.read_text().splitlines()) == 2
+        assert installed.run(*via, "resume", cid).returncode == 99
+        assert calls.read_text().splitlines()[-1].split() == [*via, "resume", cid]
+        assert subprocess.run([RUNC, "--root", str(root), "resume", cid], capture_output=True).returncode == 0
+
         assert installed.run(*via, "kill", cid, "KILL").returncode == 0
         assert installed.run(*via, "delete", "--force", cid).returncode == 0
-        assert len(calls.read_text().splitlines()) == 2
+        assert len(calls.read_text().splitlines()) == 3
     finally:
         subprocess.run([RUNC, "--root", str(root), "delete", "--force", cid], capture_output=True)
 
