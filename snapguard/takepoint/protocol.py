@@ -25,7 +25,7 @@ import re
 import socket
 
 __all__ = [
-    "COMPILE_IDLE_STEPS_ENV", "COMPILE_POOL", "DEFAULT_WAIT_S", "DROP_GRADS_ENV", "ERROR", "GPU_HANDLES_DROPPED",
+    "COMPILE_IDLE_STEPS_ENV", "COMPILE_POOL", "DEFAULT_WAIT_S", "DROP_GRADS_ENV", "ERROR", "GC_AHEAD_ENV", "GPU_HANDLES_DROPPED",
     "HOLD_S_ENV", "MAX_FDS", "MAX_REQUEST", "MOVED_BYTES", "MOVED_STORAGES", "NCCL", "NVIDIA_DEV", "OFFLOAD",
     "OFFLOAD_DEVICE_ENV", "OFFLOAD_ENV", "OK", "PID", "POOL_PIDS", "POOL_SHUTDOWN_AT_TAKE", "POOL_STATE", "RELEASE",
     "RESOLVE", "RESOLVE_ENV", "RESOLVE_ERROR", "SHM_DIR", "SPILL", "SPILL_BUSY", "SPILL_BYTES", "SPILL_DIR",
@@ -44,6 +44,7 @@ TAKE_DIR_ENV = "SNAPGUARD_TAKE_DIR"  # the directory of the take point's socket;
 RESOLVE_ENV = "SNAPGUARD_RESOLVE_BLOCKERS"  # 0: forked children keep their GPU handles, the pool stays
 HOLD_S_ENV = "SNAPGUARD_TAKE_HOLD_S"  # how long a hold waits for its release (300 s)
 COMPILE_IDLE_STEPS_ENV = "SNAPGUARD_COMPILE_IDLE_STEPS"  # optimizer steps of idle compilation (5)
+GC_AHEAD_ENV = "SNAPGUARD_TAKE_GC_AHEAD"  # 0: the hold runs Python's full collection itself, inside the stall
 DROP_GRADS_ENV = "SNAPGUARD_TAKE_DROP_GRADS"  # 1: the hold sets the stepped optimizer's gradients to None
 OFFLOAD_ENV = "SNAPGUARD_TAKE_OFFLOAD"  # 0: the optimizer's tensors stay on the device
 OFFLOAD_DEVICE_ENV = "SNAPGUARD_TAKE_OFFLOAD_DEVICE"  # cpu: a CPU trainer's tensors move (the tests')

@@ -201,6 +201,9 @@ def test_take_point_moves_the_optimizers_tensors_through_a_snapshot_and_back(
                 offload = figures["offload"]
                 # 4 parameters, their 4 gradients, AdamW's 3 state tensors each
                 assert offload["state"] == "moved" and offload["storages"] == 20, offload
+                parts = figures["trim_parts_s"]  # the trim, part by part, adds up to it
+                assert sorted(parts) == ["caches", "gc", "move", "stack", "sync"], parts
+                assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= figures["trim_s"] + 1e-3
                 if spill:
                     held = images / offload["spill"]["file"]
                     assert held.name == f"snapguard-take-{pid}.bin" and held.stat().st_size == offload["spill"]["bytes"]

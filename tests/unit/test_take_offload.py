@@ -376,3 +376,57 @@ def test_a_reload_without_a_ring_copies_plainly_and_one_after_a_failure_keeps_wh
     offload.reload(torch)
     assert calls.count(a.untyped_storage()._cdata) == 1 and a.untyped_storage().data_ptr() == first_a
     assert torch.equal(a, torch.arange(64.0)) and torch.equal(b, torch.arange(32.0))
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_full_collection_runs_ahead_and_the_hold_collects_the_young(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take for the next step boundary: its own thread collects in full as it arrives, and the
+    hold only the young generations (its figures say both); a take for a later step, or with
+    SNAPGUARD_TAKE_GC_AHEAD=0, is collected in full at the hold. Garbage left before either is
+    gone by the hold either way."""
+    import threading
+    import weakref
+
+    from snapguard.takepoint.workload import env
+
+    def one(point: TakePoint, at: int | None) -> dict:  # type: ignore[type-arg]
+        reply: list[tuple] = []  # type: ignore[type-arg]
+        taker = threading.Thread(target=lambda: reply.append(answer(point, ["take", "10"] if at is None else
+                                                                    ["take-at", str(at), "10"], [])))
+        garbage = weakref.ref(_Cycle())  # a cycle: garbage only a collection finds
+        taker.start()
+        deadline = time.monotonic() + 5
+        while point.hold_at is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        while point._ahead_done.is_set() is False:
+            time.sleep(0.001)
+        time.sleep(0.05)  # the ahead collection, where there is one, is done by now
+        steps = 0
+        while not point.reached.is_set() and steps < 5:
+            trainer = threading.Thread(target=point.at_step_end, args=(None, (), {}))
+            trainer.start()
+            steps += 1
+            if point.reached.wait(0.5):
+                break
+            trainer.join(5)
+        figures = dict(point.figures)
+        assert answer(point, ["release"], []) == ({"ok": True}, None)
+        trainer.join(5)
+        taker.join(5)
+        assert reply and reply[0][0]["ok"] is True, reply
+        assert garbage() is None, "garbage was left at the hold"
+        return figures
+
+    point = TakePoint()
+    ahead = one(point, None)
+    assert ahead["gc_ahead"]["collected"] >= 2 and ahead["gc_ahead"]["s"] >= 0, ahead
+    assert set(ahead["trim_parts_s"]) == {"sync", "gc", "move", "caches", "stack"}
+    later = one(point, point.step + 3)
+    assert "gc_ahead" not in later and later["gc_collected"] >= 2, later
+    monkeypatch.setattr(env, "GC_AHEAD", False)
+    off = one(point, None)
+    assert "gc_ahead" not in off and off["gc_collected"] >= 2, off

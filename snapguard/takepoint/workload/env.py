@@ -7,7 +7,7 @@ import os
 
 from .. import protocol
 
-__all__ = ["DROP_GRADS", "HOLD_S", "IDLE_STEPS", "groups_on", "offload_device", "offload_on", "resolving", "spill_dir",
+__all__ = ["DROP_GRADS", "GC_AHEAD", "HOLD_S", "IDLE_STEPS", "groups_on", "offload_device", "offload_on", "resolving", "spill_dir",
            "switch"]
 
 
@@ -21,6 +21,7 @@ def switch(name: str, default: bool) -> bool:
 HOLD_S = float(os.environ.get(protocol.HOLD_S_ENV, "300"))  # a hold goes on by itself after this
 IDLE_STEPS = int(os.environ.get(protocol.COMPILE_IDLE_STEPS_ENV, "5"))  # idle steps before the pool goes
 DROP_GRADS = switch(protocol.DROP_GRADS_ENV, False)
+GC_AHEAD = switch(protocol.GC_AHEAD_ENV, True)
 
 
 def resolving() -> bool:

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from ..protocol import (ERROR, MAX_REQUEST, NCCL, OK, PID, RELEASE, STATUS, STEP, TAKE, TAKE_AT, TRAINER,
@@ -101,7 +102,8 @@ def answer(point: TakePoint, words: list[str], fds: list[int]) -> tuple[dict[str
         if at is not None and point.step >= at:
             return {OK: False, ERROR: f"step {at} already passed (at {point.step})", STEP: point.step}, None
         point.arm(at, take.wait_s, take.spill)
-        if point.reached.wait(take.wait_s):
+        point.collect_ahead()  # beside the step that ends in the hold, not inside the stall
+        if point.reached.wait(max(0.0, take.wait_s - (time.monotonic() - point.armed_at))):
             return {OK: True, **point.figures}, point.pop_handover()
         point.disarm()
         return {OK: False, ERROR: "no step boundary in time", STEP: point.step}, None
