@@ -37,13 +37,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapguard.procfs import running_start_ticks
-
 __all__ = ["RECORDS", "Nodes", "free_subnet", "sweep_stale"]
 
 PREFIX = 24
 _LOCK = "/run/snapguard-lab-netns.lock"  # held while a set picks its subnet and puts it on its bridge
 RECORDS = "/run/snapguard-lab-netns"  # one JSON record per set made and not yet removed
+
+
+def running_start_ticks(pid: int) -> int | None:
+    """When pid started (/proc/PID/stat's field 22, clock ticks since boot) while it runs; None
+    when it is gone or a zombie. With the pid, it names one process a reused pid does not share."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold anything
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X") or not fields[19].isdigit():
+        return None
+    return int(fields[19])
 
 
 def _remove(bridge: str, namespaces: list[str]) -> None:
