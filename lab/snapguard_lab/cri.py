@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -51,6 +50,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .ports import free_port
 from .testbed import COMPAT, HANDLER, PAUSE_IMAGE, Containerd, build_counter_image, expected_hash
 
 __all__ = ["COUNTER_REPO", "CounterRows", "Cri", "CriLab", "Registry", "api", "counter_rows", "remove_all_pods", "tampered_archive"]
@@ -68,9 +68,7 @@ _api: tuple[ModuleType, ModuleType] | None = None
 
 
 def _free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
+    return free_port(address)
 
 
 def _digest(b: bytes) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from snapguard.takepoint import site_dir
 from . import workloads
 from .ddp import DdpJob
 from .netns import Nodes
+from .ports import free_port
 from .testbed import product_root
 
 __all__ = ["NODE_LAUNCH", "NodesJob", "TORCHRUN", "restore_on", "snapguard_in"]
@@ -79,9 +79,7 @@ class NodesJob(DdpJob):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port("127.0.0.1")
 
 
 def snapguard_in(nodes: Nodes, name: str, args: list[str], env: dict[str, str],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,12 +22,11 @@ from snapguard.reasons import Reason, Severity
 from snapguard.takepoint import protocol
 from snapguard.takepoint.workload import agent, agent_link
 from snapguard_lab.planted import TCP_PAIR, planted
+from snapguard_lab.ports import free_port
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port("127.0.0.1")  # below the ephemeral range: no store client's connect takes it first
 
 
 def _tcp_sockets() -> int:
