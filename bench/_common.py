@@ -31,10 +31,14 @@ def summary(samples: list[float]) -> dict[str, float]:
             "min": s[0], "max": s[-1]}
 
 
-def write(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+def write(name: str, payload: dict[str, Any], path: Path | str | None = None) -> Path:
+    """`payload` as JSON under the benchmark's name, today's date (UTC) and this machine, at `path`
+    (default: bench/results/NAME-DATE.json)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    path = RESULTS / f"{name}-{stamp}.json"
+    if path is None:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"{name}-{stamp}.json"
+    path = Path(path)
     payload = {"benchmark": name, "date": stamp, "machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     return path

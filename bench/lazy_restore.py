@@ -21,7 +21,6 @@ restored process's pages, which lazily come in only on the driver's own faults.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine  # noqa: E402
+from _common import git_rev, write  # noqa: E402
 
 HOLDER = r"""
 import os, sys, time
@@ -198,11 +197,9 @@ def main() -> int:
         m = medians[k]
         lazy_done = f"{m['lazy_daemon_exit_s']:17.3f}" if "lazy_daemon_exit_s" in m else f"{'-':>17}"
         print(f"{k:12} {m['restore_return_s']:13.3f} {m['every_page_read_s']:16.3f} {lazy_done}")
-    Path(args.out).write_text(json.dumps({"benchmark": "lazy-restore", "machine": machine(), "commit": git_rev(),
-                                          "date": time.strftime("%Y-%m-%d", time.gmtime()), "mb": args.mb,
-                                          "cuda": args.cuda, "gpu_mb": args.gpu_mb if args.cuda else None,
-                                          "image_bytes": image_bytes, "rounds": args.rounds,
-                                          "medians": medians, "samples": samples}, indent=2) + "\n")
+    write("lazy-restore", {"commit": git_rev(), "mb": args.mb, "cuda": args.cuda,
+                           "gpu_mb": args.gpu_mb if args.cuda else None, "image_bytes": image_bytes,
+                           "rounds": args.rounds, "medians": medians, "samples": samples}, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,6 @@ the ahead collection has more to hide behind there (bench/gpu/scaling.py measure
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -31,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "lab"))
-from _common import git_rev, machine  # noqa: E402
+from _common import git_rev, write  # noqa: E402
 
 from snapguard import image  # noqa: E402
 from snapguard.config import load  # noqa: E402
@@ -96,10 +95,8 @@ def main() -> int:
         medians[arm] = m
         ahead_s = f"{m['gc_ahead_s']:11.3f}" if m["gc_ahead_s"] is not None else f"{'-':>11}"
         print(f"{arm:8} {m['stall_s']:8.3f} {m['trim_s']:7.3f} {m['gc_at_hold_s']:17.3f} {ahead_s}")
-    Path(args.out).write_text(json.dumps({"benchmark": "take-gc", "machine": machine(), "commit": git_rev(),
-                                          "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                                          "trainer_args": extra, "medians": medians, "samples": samples},
-                                         indent=2) + "\n")
+    write("take-gc", {"commit": git_rev(), "trainer_args": extra, "medians": medians, "samples": samples},
+          args.out)
     print(f"wrote {args.out}")
     return 0
 
