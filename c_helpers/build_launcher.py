@@ -60,8 +60,8 @@ def render_header() -> str:
         "",
         "static const struct sg_verb sg_verbs[] = {",
     ]
+    routes = {"pass": "SG_VERB_RUNC", "guard": "SG_VERB_GUARD", "entry": "SG_VERB_ENTRY"}
     for verb, how in _argv.VERB_TABLE:
-        routes = {"pass": "SG_VERB_RUNC", "guard": "SG_VERB_GUARD", "entry": "SG_VERB_ENTRY"}
         if how not in routes:
             raise ValueError(f"VERB_TABLE: {verb!r} has an unknown route {how!r}")
         lines.append(f"\t{{{_c_string(verb)}, {routes[how]}}},")

@@ -257,7 +257,7 @@ def checkpoint(runner: Runner, req: Request, config: Config, *,
         # bench/results/hash-while-dumping-*) and from the CUDA resume, both inside the stall.
         hasher = stack.enter_context(scopes.page_file_hasher(
             req.image_dir, config, steps, on=not req.leave_running,
-            fresh=frozenset(c.name for c in hold.copies.copies.values())))
+            fresh=hold.copies.names))
         rc, failure = _dump(runner, req, config, steps, t, options)
         _after_dump(runner, req, steps, t, hold, cuda, rc, failure, warnings, log)
         manifest = _seal(req, runner, steps, t, hold, hasher, warnings)

@@ -154,6 +154,11 @@ class SpillCopies:
             self.close()
             raise
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The image files the copies write."""
+        return frozenset(copy.name for copy in self.copies.values())
+
     def start(self) -> None:
         if not self.started:
             self.started = True
