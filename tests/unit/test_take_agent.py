@@ -29,8 +29,11 @@ def _free_port() -> int:
     return free_port("127.0.0.1")  # below the ephemeral range: no store client's connect takes it first
 
 
-def _tcp_sockets() -> int:
-    """This process's established TCP connections and listening sockets, from /proc/net."""
+def _tcp_sockets(ports: set[int]) -> int:
+    """This process's TCP connections and listening sockets that have one of `ports` at either end,
+    from /proc/net: the stores' of a test, whatever sockets earlier tests' threads still open or
+    close meanwhile (a full run had two loopback connections of theirs here, which closed during
+    this test and made the count fall below the one taken before it)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -42,7 +45,9 @@ def _tcp_sockets() -> int:
     count = 0
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
-            if line.split()[9] in inodes:
+            fields = line.split()
+            ends = {int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)}
+            if fields[9] in inodes and ends & ports:
                 count += 1
     return count
 
@@ -63,21 +68,22 @@ def test_the_hold_drops_every_store_and_the_rebuild_moves_the_workers_one(fresh:
 
     state, AgentStore = fresh
     gc.collect()  # the hold collects garbage: stores earlier tests left unreferenced go first, not inside the count
-    before = _tcp_sockets()
     port, other = _free_port(), _free_port()
+    before = _tcp_sockets({port, other})
     hosted = AgentStore("127.0.0.1", port, 1, True, timedelta(seconds=20), multi_tenant=True)
     side = AgentStore("127.0.0.1", 0, None, True, timedelta(seconds=20))  # the c10d backend's, on a free port
+    ports = {port, other, side.port}
     prefixed = dist.PrefixStore("run", hosted)
     prefixed.set("a", b"1")
     assert prefixed.multi_get(["a"]) == [b"1"] and hosted.libuvBackend is False
-    assert _tcp_sockets() > before
+    assert _tcp_sockets(ports) > before
     # a worker's last operation on the store
     worker = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=20), use_libuv=False)
     worker.set("snapguard/drain/7/out/all", b"1")
     del worker
     answer = state.hold("snapguard/drain/7/out/all", port, 10.0)
     assert answer["ok"] is True and state.released
-    assert _tcp_sockets() == before  # no connection, no listening socket left
+    assert _tcp_sockets(ports) == before  # no connection, no listening socket left
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(prefixed.add("n", 1)))
     waiter.start()  # the agent's own use waits while released
