@@ -228,8 +228,15 @@ def test_the_next_run_ends_what_an_executor_killed_with_its_watchdog_left(tmp_pa
             executor.kill()
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # a child that ended between the listing and the read
+        return []
+
+
 def _watchdog(executor: int) -> int:
-    (found,) = [p for p in _children(executor) if b"-I" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    (found,) = [p for p in _children(executor) if b"-I" in _cmdline(p)]
     return found
 
 

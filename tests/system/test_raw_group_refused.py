@@ -40,8 +40,9 @@ while True:
     model(x).sum().backward()
     opt.step()
     raw.allreduce([torch.ones(1)]).wait()
-    with open(sys.argv[1], "w") as f:
+    with open(sys.argv[1] + ".tmp", "w") as f:  # replaced whole: a reader never sees it empty
         f.write(str(step))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(0.02)
 '''
 
