@@ -172,7 +172,7 @@ def main() -> int:
     code = [CUDA_HOLDER, str(args.mb), str(work / "go"), str(work / "done"), str(args.gpu_mb)] if args.cuda else \
         [HOLDER, str(args.mb), str(work / "go"), str(work / "done")]
     holder = subprocess.Popen([sys.executable, *([] if args.cuda else ["-I", "-S"]), "-c", *code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=None if args.cuda else subprocess.DEVNULL, start_new_session=True)
+                              stderr=subprocess.DEVNULL, start_new_session=True)  # a file CRIU would check the size of
     samples: dict[str, list[dict[str, float]]] = {}
     try:
         wait_file(work / "done.ready", 120, holder)
